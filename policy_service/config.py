@@ -1,0 +1,67 @@
+"""Configuration of one policy service process. CLI flags and environment variables fill it
+at the entry point (`kvrelay serve policy`); nothing writes to it afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from services.policy.types import MAX_LEASE_MS
+from services.redis_embedded import APPENDFSYNC_MODES
+from services.rpc.server import ServerConfig
+
+REDIS_SCHEMES = ("redis", "rediss")
+
+
+@dataclass(frozen=True)
+class PolicyServiceConfig:
+    """`redis_url=None` starts a private embedded redis-server (AOF on if `redis_data_dir`)."""
+
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50061))
+    redis_url: str | None = None
+    redis_data_dir: Path | None = None
+    redis_appendfsync: str = "everysec"
+    key_prefix: str = "kvr:"
+    default_lease_ms: int = 15 * 60 * 1000
+    end_retention_ms: int = 60 * 1000
+    max_manifest_bytes: int = 1024 * 1024
+    # Redis connection: per-command socket timeout and bounded retries with backoff; the whole
+    # retry budget stays well under a client's default 2 s deadline.
+    redis_timeout_s: float = 0.5
+    redis_retries: int = 3
+    redis_backoff_base_s: float = 0.02
+    redis_backoff_cap_s: float = 0.2
+    redis_max_connections: int = 128
+
+    def __post_init__(self) -> None:
+        if self.redis_url is not None:
+            scheme = urlsplit(self.redis_url).scheme
+            if scheme not in REDIS_SCHEMES:
+                raise ValueError(f"redis_url: scheme {scheme!r} is not one of {REDIS_SCHEMES}")
+        if self.redis_appendfsync not in APPENDFSYNC_MODES:
+            raise ValueError(f"redis_appendfsync: {self.redis_appendfsync!r} is not one of {APPENDFSYNC_MODES}")
+        if not self.key_prefix or any(c.isspace() for c in self.key_prefix):
+            raise ValueError("key_prefix: must be non-empty without whitespace")
+        for name in ("default_lease_ms", "end_retention_ms"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_LEASE_MS:
+                raise ValueError(f"{name}: {value} is not in (0, {MAX_LEASE_MS}]")
+        if not 0 < self.max_manifest_bytes < self.server.max_message_bytes:
+            raise ValueError("max_manifest_bytes: must be positive and below server.max_message_bytes")
+        if self.redis_timeout_s <= 0 or self.redis_retries < 0 or self.redis_max_connections < 1:
+            raise ValueError("redis_timeout_s/redis_retries/redis_max_connections: out of range")
+        if not 0 < self.redis_backoff_base_s <= self.redis_backoff_cap_s:
+            raise ValueError("redis_backoff_base_s: must be positive and <= redis_backoff_cap_s")
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,17 @@
+-- Mark a request ended (idempotent) and shorten its lease to the end retention, so late
+-- work from zombie workers is answered "ended" for a while and the key then disappears.
+-- KEYS[1] req:{request_id}
+-- ARGV[1] request_generation   ARGV[2] retention_ms
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'missing'}
+end
+local cur = redis.call('HMGET', KEYS[1], 'request_generation', 'phase')
+if tonumber(cur[1]) ~= tonumber(ARGV[1]) then
+  return fence_reply('stale')
+end
+if cur[2] == 'ended' then
+  return fence_reply('already')
+end
+redis.call('HSET', KEYS[1], 'phase', 'ended', 'updated_at', now_ms())
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return fence_reply('ended')

@@ -1,0 +1,134 @@
+"""Lifecycle of one policy service process: Redis (external or embedded), store, gRPC server.
+
+`PolicyServer.start(config)` returns a serving instance; `stop()` drains gRPC, closes the
+Redis pool and stops the embedded redis-server if it started one. `serve(config)` runs
+until SIGINT/SIGTERM (what `kvrelay serve policy` calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import redis.exceptions
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from policy_service.config import PolicyServiceConfig, redact_url
+from policy_service.service import SERVICE_NAME, PolicyServicer
+from policy_service.store import KeySchema, PolicyStore
+from services.redis_embedded import EmbeddedRedis, EmbeddedRedisConfig
+from services.rpc.kvrelay.v1 import policy_pb2_grpc
+from services.rpc.server import RpcServer, ServiceBinding, start_server
+
+log = logging.getLogger(__name__)
+MIN_REDIS_VERSION = (6, 2)
+
+
+class PolicyStartupError(RuntimeError):
+    """Redis could not be reached, refused our credentials, or is too old."""
+
+
+def redis_client(url: str, config: PolicyServiceConfig) -> Redis:
+    """An asyncio client for redis:// or rediss:// (user and password from the URL) with
+    bounded retries and exponential backoff on connection errors and timeouts."""
+    retry = Retry(
+        ExponentialBackoff(cap=config.redis_backoff_cap_s, base=config.redis_backoff_base_s),
+        retries=config.redis_retries,
+        supported_errors=(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError),
+    )
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=config.redis_max_connections,
+        timeout=config.redis_timeout_s,
+        socket_timeout=config.redis_timeout_s,
+        socket_connect_timeout=config.redis_timeout_s,
+        retry=retry,
+        decode_responses=True,
+    )
+    return Redis(connection_pool=pool)
+
+
+async def check_redis(client: Redis, url: str) -> None:
+    """Fail fast with a clear message on bad credentials, no server, or Redis < 6.2."""
+    where = redact_url(url)
+    try:
+        info = await client.info("server")
+    except redis.exceptions.AuthenticationError as exc:
+        raise PolicyStartupError(f"redis at {where} refused authentication: {exc}") from exc
+    except redis.exceptions.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            raise PolicyStartupError(f"redis at {where} refused authentication: {exc}") from exc
+        raise
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise PolicyStartupError(f"redis at {where} is unreachable: {exc}") from exc
+    version = tuple(int(part) for part in str(info["redis_version"]).split(".")[:2])
+    if version < MIN_REDIS_VERSION:
+        raise PolicyStartupError(f"redis at {where} is {info['redis_version']}; kvrelay needs >= 6.2")
+
+
+class PolicyServer:
+    """A running policy service."""
+
+    def __init__(self, config: PolicyServiceConfig, rpc: RpcServer, client: Redis,
+                 embedded: EmbeddedRedis | None) -> None:
+        self.config = config
+        self.rpc = rpc
+        self.redis = client
+        self.embedded = embedded
+
+    @property
+    def address(self) -> str:
+        return self.rpc.address
+
+    @classmethod
+    async def start(cls, config: PolicyServiceConfig) -> PolicyServer:
+        embedded = None
+        url = config.redis_url
+        if url is None:
+            embedded_config = EmbeddedRedisConfig(
+                data_dir=config.redis_data_dir, appendfsync=config.redis_appendfsync
+            )
+            embedded = EmbeddedRedis(embedded_config)
+            await asyncio.to_thread(embedded.start)
+            url = embedded.url
+        client = redis_client(url, config)
+        try:
+            await check_redis(client, url)
+            servicer = PolicyServicer(PolicyStore(client, KeySchema(config.key_prefix)), config)
+            binding = ServiceBinding(
+                SERVICE_NAME, lambda server: policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server)
+            )
+            rpc = await start_server(config.server, [binding])
+        except BaseException:
+            await client.aclose(close_connection_pool=True)
+            if embedded is not None:
+                await asyncio.to_thread(embedded.close)
+            raise
+        log.info("policy service on %s, redis %s", rpc.address, "embedded" if embedded else redact_url(url))
+        return cls(config, rpc, client, embedded)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain gRPC, close Redis connections, stop the embedded redis-server (AOF flushed)."""
+        await self.rpc.stop(grace_s)
+        await self.redis.aclose(close_connection_pool=True)
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.close)
+
+
+async def serve(config: PolicyServiceConfig) -> None:
+    """Run until SIGINT or SIGTERM, then stop cleanly."""
+    server = await PolicyServer.start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    print(f"kvrelay policy service listening on {server.address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()

@@ -1,0 +1,125 @@
+"""The PolicyService servicer: a thin adapter from protobuf to validated values to the store.
+
+Each method rejects unknown or mistyped fields (a fence authority must never act on a field
+that silently fell back to its default), converts the request once, calls one store
+method, and converts the result once. Errors become status codes in `services.rpc.errors`.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from policy_service.config import PolicyServiceConfig
+from policy_service.store import PolicyStore
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest
+from services.policy import wire
+from services.policy.errors import ManifestInvalid
+from services.policy.types import (
+    ManifestRef,
+    check_generation,
+    check_lease_ms,
+    check_request_id,
+    check_sha256,
+)
+from services.rpc.errors import maps_errors, reject_unknown_fields
+from services.rpc.kvrelay.v1 import policy_pb2, policy_pb2_grpc
+
+SERVICE_NAME = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
+
+
+def parse_manifest(data: bytes, max_bytes: int) -> KVVisibilityPolicyManifest:
+    """Validate manifest JSON bytes with the kvpolicy core (which names the bad field)."""
+    if not data:
+        raise ManifestInvalid("must not be empty", field="manifest_json")
+    if len(data) > max_bytes:
+        raise ManifestInvalid(f"{len(data)} bytes exceeds the limit of {max_bytes}", field="manifest_json")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestInvalid(f"not UTF-8: {exc}", field="manifest_json") from None
+    try:
+        return KVVisibilityPolicyManifest.from_json(text)
+    except RecursionError:
+        raise ManifestInvalid("JSON nested too deeply", field="manifest_json") from None
+
+
+class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
+    """Implements kvrelay.v1.PolicyService over a PolicyStore."""
+
+    def __init__(self, store: PolicyStore, config: PolicyServiceConfig) -> None:
+        self.store = store
+        self.config = config
+
+    def _lease(self, lease_ms: int) -> int:
+        check_lease_ms(lease_ms)
+        return lease_ms or self.config.default_lease_ms
+
+    @maps_errors
+    async def RegisterManifest(
+        self, request: policy_pb2.RegisterManifestRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.RegisterManifestResponse:
+        reject_unknown_fields(request)
+        manifest = parse_manifest(request.manifest_json, self.config.max_manifest_bytes)
+        ref = ManifestRef(manifest.sha256, manifest.name, manifest.policy_generation)
+        registration = await self.store.register_manifest(ref, manifest.canonical_json())
+        return policy_pb2.RegisterManifestResponse(ref=wire.ref_to_proto(ref), created=registration.created)
+
+    @maps_errors
+    async def GetManifest(
+        self, request: policy_pb2.GetManifestRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.GetManifestResponse:
+        reject_unknown_fields(request)
+        check_sha256(request.sha256, "sha256")
+        stored = await self.store.get_manifest(request.sha256)
+        return policy_pb2.GetManifestResponse(manifest=wire.manifest_to_proto(stored))
+
+    @maps_errors
+    async def ListManifests(
+        self, request: policy_pb2.ListManifestsRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.ListManifestsResponse:
+        reject_unknown_fields(request)
+        if request.name:
+            check_request_id(request.name, "name")
+        refs = await self.store.list_manifests(request.name)
+        return policy_pb2.ListManifestsResponse(manifests=[wire.ref_to_proto(r) for r in refs])
+
+    @maps_errors
+    async def BeginRequest(
+        self, request: policy_pb2.BeginRequestRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.BeginRequestResponse:
+        reject_unknown_fields(request)
+        check_request_id(request.request_id)
+        fence = await self.store.begin_request(request.request_id, self._lease(request.lease_ms))
+        return policy_pb2.BeginRequestResponse(fence=wire.fence_to_proto(fence))
+
+    @maps_errors
+    async def PublishState(
+        self, request: policy_pb2.PublishStateRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.PublishStateResponse:
+        reject_unknown_fields(request)
+        publication = wire.publication_from_proto(request)
+        result = await self.store.publish_state(publication, self._lease(request.lease_ms))
+        return policy_pb2.PublishStateResponse(
+            fence=wire.fence_to_proto(result.fence), already_published=result.already_published
+        )
+
+    @maps_errors
+    async def GetFence(
+        self, request: policy_pb2.GetFenceRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.GetFenceResponse:
+        reject_unknown_fields(request)
+        check_request_id(request.request_id)
+        fence = await self.store.get_fence(request.request_id)
+        return policy_pb2.GetFenceResponse(fence=wire.fence_to_proto(fence))
+
+    @maps_errors
+    async def EndRequest(
+        self, request: policy_pb2.EndRequestRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.EndRequestResponse:
+        reject_unknown_fields(request)
+        check_request_id(request.request_id)
+        check_generation(request.request_generation, "request_generation", minimum=1)
+        fence = await self.store.end_request(
+            request.request_id, request.request_generation, self.config.end_retention_ms
+        )
+        return policy_pb2.EndRequestResponse(fence=wire.fence_to_proto(fence))

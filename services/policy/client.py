@@ -1,0 +1,176 @@
+"""Typed async client of the policy service, used by the gateway and the workers.
+
+Every call has a deadline (`timeout_s`, covering all attempts). UNAVAILABLE is retried
+with full-jitter exponential backoff up to `max_attempts` while the deadline allows;
+then, like DEADLINE_EXCEEDED, it surfaces as `PolicyUnavailable`. Every other status comes
+back as its typed error: `ManifestInvalid`, `RequestInvalid`, `NotFound`,
+`ManifestConflict`, `StaleGeneration` / `RequestEnded` (with the current `Fence`).
+Retrying is safe: publish and end are idempotent, re-registering identical bytes is too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from services.policy import wire
+from services.policy.errors import (
+    ManifestConflict,
+    ManifestInvalid,
+    NotFound,
+    PolicyCallFailed,
+    PolicyError,
+    PolicyUnavailable,
+    RequestEnded,
+    RequestInvalid,
+    StaleGeneration,
+)
+from services.policy.types import (
+    Fence,
+    ManifestRef,
+    PublishResult,
+    Registration,
+    StatePublication,
+    StoredManifest,
+)
+from services.rpc.errors import error_detail
+from services.rpc.kvrelay.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+Response = TypeVar("Response")
+
+
+@dataclass(frozen=True)
+class PolicyClientConfig:
+    """`target` is host:port of a policy service."""
+
+    target: str
+    timeout_s: float = 2.0
+    max_attempts: int = 4
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 0.5
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("target: must not be empty")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: {self.timeout_s} must be positive")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts: {self.max_attempts} must be >= 1")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("backoff_initial_s: must be positive and <= backoff_max_s")
+
+
+def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
+    """Full-jitter exponential backoff before retry number `attempt` (0-based)."""
+    return rng.uniform(0.0, min(max_s, initial_s * (2**attempt)))
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError) -> PolicyError:
+    """The typed error for a failed call (ErrorDetail from the trailing metadata)."""
+    code = error.code()
+    detail = error_detail(error) or common_pb2.ErrorDetail(message=error.details() or "")
+    message, field = detail.message or (error.details() or ""), detail.field
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if detail.reason == common_pb2.ERROR_REASON_MANIFEST_INVALID:
+            return ManifestInvalid(message, field=field)
+        return RequestInvalid(message, field=field)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(message, field=field)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return ManifestConflict(message, field=field)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and detail.HasField("current"):
+        stale = RequestEnded if detail.reason == common_pb2.ERROR_REASON_REQUEST_ENDED else StaleGeneration
+        return stale(message, field=field, current=wire.fence_from_proto(detail.current))
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return PolicyUnavailable(f"{code.name}: {message}", field=field)
+    return PolicyCallFailed(f"{code.name}: {message}", status=code, field=field)
+
+
+class PolicyClient:
+    """Async client; use `async with PolicyClient(config) as client:` or call `close()`."""
+
+    def __init__(self, config: PolicyClientConfig, *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self._channel = grpc.aio.insecure_channel(
+            config.target,
+            options=[
+                *channel_options(config.max_message_bytes),
+                ("grpc.enable_retries", 0),  # retries are ours, bounded by the call deadline
+                # Reconnect quickly after a service restart (gRPC's default starts at 1 s).
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self._stub = policy_pb2_grpc.PolicyServiceStub(self._channel)
+        self._rng = rng or random.Random()
+
+    async def __aenter__(self) -> PolicyClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def register_manifest(self, manifest_json: str | bytes, *, timeout_s: float | None = None) -> Registration:
+        data = manifest_json.encode("utf-8") if isinstance(manifest_json, str) else manifest_json
+        request = policy_pb2.RegisterManifestRequest(manifest_json=data)
+        response = await self._call(self._stub.RegisterManifest, request, timeout_s)
+        return Registration(ref=wire.ref_from_proto(response.ref), created=response.created)
+
+    async def get_manifest(self, sha256: str, *, timeout_s: float | None = None) -> StoredManifest:
+        response = await self._call(self._stub.GetManifest, policy_pb2.GetManifestRequest(sha256=sha256), timeout_s)
+        return wire.manifest_from_proto(response.manifest)
+
+    async def list_manifests(self, name: str = "", *, timeout_s: float | None = None) -> list[ManifestRef]:
+        response = await self._call(self._stub.ListManifests, policy_pb2.ListManifestsRequest(name=name), timeout_s)
+        return [wire.ref_from_proto(ref) for ref in response.manifests]
+
+    async def begin_request(self, request_id: str, *, lease_ms: int = 0, timeout_s: float | None = None) -> Fence:
+        request = policy_pb2.BeginRequestRequest(request_id=request_id, lease_ms=lease_ms)
+        response = await self._call(self._stub.BeginRequest, request, timeout_s)
+        return wire.fence_from_proto(response.fence)
+
+    async def publish_state(
+        self, publication: StatePublication, *, lease_ms: int = 0, timeout_s: float | None = None
+    ) -> PublishResult:
+        """Compare-and-publish; raises StaleGeneration carrying the current fence."""
+        request = wire.publication_to_proto(publication, lease_ms)
+        response = await self._call(self._stub.PublishState, request, timeout_s)
+        return PublishResult(fence=wire.fence_from_proto(response.fence), already_published=response.already_published)
+
+    async def get_fence(self, request_id: str, *, timeout_s: float | None = None) -> Fence:
+        response = await self._call(self._stub.GetFence, policy_pb2.GetFenceRequest(request_id=request_id), timeout_s)
+        return wire.fence_from_proto(response.fence)
+
+    async def end_request(self, request_id: str, request_generation: int, *, timeout_s: float | None = None) -> Fence:
+        request = policy_pb2.EndRequestRequest(request_id=request_id, request_generation=request_generation)
+        response = await self._call(self._stub.EndRequest, request, timeout_s)
+        return wire.fence_from_proto(response.fence)
+
+    async def _call(
+        self, method: Callable[..., Awaitable[Response]], request: Any, timeout_s: float | None
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.config.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=max(deadline - loop.time(), 0.001))
+            except grpc.aio.AioRpcError as exc:
+                error = exc
+            delay = backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+            attempt += 1
+            retryable = error.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.config.max_attempts
+            if not retryable or loop.time() + delay >= deadline:
+                raise error_from_rpc(error) from error
+            await asyncio.sleep(delay)
