@@ -1,0 +1,157 @@
+"""Byte ledger of a packed view: what is stored, what travels, what peaks, what is read.
+
+Bytes per row are `d_h (b_K + b_V)`. Rows are charged per owner: per K/V head by default,
+per query head when the GQA reduction is `expand` (`owners_are_query_heads`). The
+transfer of a view moves exactly `traffic_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.kvpolicy.errors import PackingError
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract
+from services.kvpolicy.packing import OFFSET_DTYPE, POSITION_DTYPE
+
+_POSITION_BYTES = POSITION_DTYPE.itemsize
+_OFFSET_BYTES = OFFSET_DTYPE.itemsize
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Row and byte accounting of one request's retained KV view.
+
+    full_rows: L * owners * prompt rows (what a full cache at owner width would hold).
+    visible_rows: retained rows, one per (layer, owner, position) — the packed R_total.
+    unique_kv_rows: distinct (layer, K/V head, position) rows among them; smaller than
+        visible_rows only when query-head owners of one K/V head retain the same position.
+    query_expanded_rows: rows the query heads read if each K/V row is expanded per reader.
+    """
+
+    bytes_per_row: int
+    num_layers: int
+    num_owners: int
+    owners_are_query_heads: bool
+    prompt_rows: int
+    full_rows: int
+    visible_rows: int
+    unique_kv_rows: int
+    query_expanded_rows: int
+
+    @property
+    def full_payload_bytes(self) -> int:
+        return self.full_rows * self.bytes_per_row
+
+    @property
+    def visible_payload_bytes(self) -> int:
+        return self.visible_rows * self.bytes_per_row
+
+    @property
+    def omitted_rows(self) -> int:
+        return self.full_rows - self.visible_rows
+
+    @property
+    def omitted_payload_bytes(self) -> int:
+        return self.omitted_rows * self.bytes_per_row
+
+    @property
+    def position_map_bytes(self) -> int:
+        return self.visible_rows * _POSITION_BYTES
+
+    @property
+    def offsets_bytes(self) -> int:
+        return self.num_layers * (self.num_owners + 1) * _OFFSET_BYTES
+
+    @property
+    def metadata_bytes(self) -> int:
+        return self.position_map_bytes + self.offsets_bytes
+
+    @property
+    def traffic_bytes(self) -> int:
+        """Bytes a transfer of the view moves: packed K/V plus position map and offsets."""
+        return self.visible_payload_bytes + self.metadata_bytes
+
+    @property
+    def transaction_peak_bytes(self) -> int:
+        """Peak while packing: the full source cache and the packed view exist together."""
+        return self.full_payload_bytes + self.visible_payload_bytes + self.metadata_bytes
+
+
+def build_ledger(
+    tensor: TensorContract,
+    prompt_len: int,
+    selected: Sequence[Sequence[Sequence[int]]],
+    owner_to_kv_head: Sequence[int] | None = None,
+) -> Ledger:
+    """Ledger of `selected[l][h]` over a prompt of `prompt_len` rows.
+
+    Owners are K/V heads unless `owner_to_kv_head` is given (query-head owners, `expand`).
+    """
+    query_owners = owner_to_kv_head is not None
+    num_owners = tensor.num_q_heads if query_owners else tensor.num_kv_heads
+    _check_grid(selected, tensor.num_layers, num_owners)
+    head_map = tensor.resolved_q_to_kv_head_map()
+    readers = [head_map.count(kv) for kv in range(tensor.num_kv_heads)]
+    visible = sum(len(owner) for layer in selected for owner in layer)
+    if owner_to_kv_head is not None:
+        unique = _unique_kv_rows(selected, owner_to_kv_head)
+        expanded = visible
+    else:
+        unique = visible
+        expanded = sum(
+            len(owner) * readers[h] for layer in selected for h, owner in enumerate(layer)
+        )
+    return Ledger(
+        bytes_per_row=tensor.bytes_per_row,
+        num_layers=tensor.num_layers,
+        num_owners=num_owners,
+        owners_are_query_heads=query_owners,
+        prompt_rows=prompt_len,
+        full_rows=tensor.num_layers * num_owners * prompt_len,
+        visible_rows=visible,
+        unique_kv_rows=unique,
+        query_expanded_rows=expanded,
+    )
+
+
+def ledger_for(
+    manifest: KVVisibilityPolicyManifest,
+    prompt_len: int,
+    selected: Sequence[Sequence[Sequence[int]]],
+) -> Ledger:
+    """`build_ledger` with the owner kind the manifest declares."""
+    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    return build_ledger(manifest.tensor, prompt_len, selected, owner_map)
+
+
+def decode_read_rows(prompt_len: int, decode_steps: int, row_bound: int | None = None) -> int:
+    """Cumulative rows read per owner over `decode_steps` steps.
+
+    Step g (0-based) reads the `prompt_len + g` rows cached before it, or at most
+    `row_bound` rows when the visible cache is bounded.
+    """
+    if prompt_len < 0 or decode_steps < 0:
+        raise PackingError("decode_steps", "prompt_len and decode_steps must be non-negative")
+    if row_bound is None:
+        return decode_steps * prompt_len + decode_steps * (decode_steps - 1) // 2
+    return sum(min(prompt_len + g, row_bound) for g in range(decode_steps))
+
+
+def _check_grid(
+    selected: Sequence[Sequence[Sequence[int]]], num_layers: int, num_owners: int
+) -> None:
+    if len(selected) != num_layers or any(len(layer) != num_owners for layer in selected):
+        raise PackingError("selected", f"expected [{num_layers}][{num_owners}] owners")
+
+
+def _unique_kv_rows(
+    selected: Sequence[Sequence[Sequence[int]]], owner_to_kv_head: Sequence[int]
+) -> int:
+    total = 0
+    for layer in selected:
+        per_kv: dict[int, set[int]] = {}
+        for owner, positions in enumerate(layer):
+            per_kv.setdefault(owner_to_kv_head[owner], set()).update(positions)
+        total += sum(len(s) for s in per_kv.values())
+    return total

@@ -1,0 +1,281 @@
+"""SnapKV: score prefix rows by the attention of the last W_obs prompt queries, keep the top-k.
+
+Scoring, per layer (paper order, Li et al. 2024):
+  1. observation attention `[H_q, W, T]`: window query i sits at position T - W + i and
+     attends causally to every prompt key; softmax over visible keys in fp32;
+  2. vote: sum (or mean) over the W window queries of the prefix columns `[0, T - W)`;
+  3. stride-1 pooling over positions, avg or max with an odd kernel; avg counts the zero
+     padding (AvgPool1d `count_include_pad=True`), max ignores it;
+  4. GQA owner reduction: `mean` or `max` over the query heads of each K/V head (owners
+     are K/V heads), or `expand` (owners are the query heads themselves).
+
+Selection per owner: the observation suffix `[T - W, T)` and the first `sinks` positions
+are protected and retained outside the budget; the top-`budget` remaining prefix rows
+are kept by a stable sort (ties by original position, ascending unless the manifest's
+tie rule says descending). An owner whose budget covers all its candidates keeps the
+whole prompt without selection.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.kvpolicy.errors import SelectionError
+from services.kvpolicy.manifest import (
+    GQAReduction,
+    KVVisibilityPolicyManifest,
+    Pooling,
+    ScoreAggregation,
+    SelectionMethod,
+    SnapKVParams,
+    TieRule,
+)
+from services.kvpolicy.state import PositionGrid
+
+
+def observation_attention(
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    q_to_kv_head_map: Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference observation attention of one layer, in fp32.
+
+    q_window `[H_q, W, d_h]` are the last W prompt queries, keys `[H_kv, T, d_h]` all prompt
+    keys (post-RoPE). Returns softmax probabilities `[H_q, W, T]`, zero above the causal
+    diagonal (window query i sees keys `<= T - W + i`).
+    """
+    num_q_heads, window, head_dim = (int(x) for x in q_window.shape)
+    seq_len = int(keys.shape[1])
+    _check_head_map(q_to_kv_head_map, num_q_heads, int(keys.shape[0]))
+    if window > seq_len:
+        raise SelectionError("q_window", f"window {window} longer than the prompt {seq_len}")
+    expanded = keys[list(q_to_kv_head_map)].float()  # [H_q, T, d_h]
+    logits = q_window.float() @ expanded.transpose(1, 2)  # [H_q, W, T]
+    logits = logits * (scale if scale is not None else 1.0 / math.sqrt(head_dim))
+    query_pos = torch.arange(seq_len - window, seq_len).view(window, 1)
+    visible = torch.arange(seq_len).view(1, seq_len) <= query_pos  # [W, T]
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def pool_scores(vote: torch.Tensor, pooling: Pooling, kernel: int) -> torch.Tensor:
+    """Stride-1 pooling along the last axis, same length out. `[..., T_p] -> [..., T_p]`"""
+    if kernel < 1 or kernel % 2 == 0:
+        raise SelectionError(
+            "selection.snapkv.pooling_kernel", f"must be a positive odd number, got {kernel}"
+        )
+    if pooling is Pooling.NONE or kernel == 1 or vote.shape[-1] == 0:
+        return vote
+    pad = kernel // 2
+    fill = 0.0 if pooling is Pooling.AVG else float("-inf")
+    windows = F.pad(vote, (pad, pad), value=fill).unfold(-1, kernel, 1)  # [..., T_p, kernel]
+    if pooling is Pooling.AVG:
+        return windows.sum(dim=-1) / kernel
+    return windows.amax(dim=-1)
+
+
+def reduce_gqa(
+    scores: torch.Tensor, q_to_kv_head_map: Sequence[int], reduction: GQAReduction
+) -> torch.Tensor:
+    """Per-query-head scores `[L, H_q, T_p]` to per-owner scores `[L, H_owner, T_p]`."""
+    if reduction is GQAReduction.EXPAND:
+        return scores
+    num_kv_heads = max(q_to_kv_head_map) + 1
+    groups = [[q for q, kv in enumerate(q_to_kv_head_map) if kv == h] for h in range(num_kv_heads)]
+    if reduction is GQAReduction.MEAN:
+        return torch.stack([scores[:, g].sum(dim=1) / len(g) for g in groups], dim=1)
+    return torch.stack([scores[:, g].amax(dim=1) for g in groups], dim=1)
+
+
+def snapkv_scores(
+    obs_attn: torch.Tensor | Sequence[torch.Tensor],
+    prompt_len: int,
+    window: int,
+    pooling: Pooling,
+    kernel: int,
+    aggregation: ScoreAggregation,
+    gqa_reduction: GQAReduction,
+    q_to_kv_head_map: Sequence[int],
+) -> torch.Tensor:
+    """Owner scores of every prefix row: `[L, H_owner, T_prompt - W]` (fp32).
+
+    obs_attn is `[L, H_q, W, T]` (or one `[H_q, W, T]` per layer): the softmax
+    probabilities the model runtime returns for the observation window.
+    """
+    attn = _stack_layers(obs_attn)  # [L, H_q, W, T]
+    _check_obs_attn(attn, prompt_len, window, q_to_kv_head_map)
+    prefix = attn[..., : prompt_len - window]  # [L, H_q, W, T_p]
+    vote = prefix.sum(dim=2) if aggregation is ScoreAggregation.SUM else prefix.sum(dim=2) / window
+    return reduce_gqa(pool_scores(vote, pooling, kernel), q_to_kv_head_map, gqa_reduction)
+
+
+def top_k_positions(
+    scores: torch.Tensor, k: int, tie_rule: TieRule = TieRule.POSITION_ASCENDING
+) -> list[int]:
+    """Indices of the k largest entries of `scores [N]`, ascending; equal scores by the tie rule."""
+    n = int(scores.shape[0])
+    if k >= n:
+        return list(range(n))
+    if k <= 0:
+        return []
+    if tie_rule is TieRule.POSITION_ASCENDING:
+        order = torch.sort(scores, descending=True, stable=True).indices[:k]
+    else:
+        order = n - 1 - torch.sort(scores.flip(0), descending=True, stable=True).indices[:k]
+    return sorted(int(i) for i in order)
+
+
+def select_snapkv(
+    scores: torch.Tensor,
+    budgets: Sequence[Sequence[int]],
+    window: int,
+    prompt_len: int,
+    tie_rule: TieRule = TieRule.POSITION_ASCENDING,
+    sinks: int = 0,
+) -> PositionGrid:
+    """Retained positions `[L][H_owner]`: protected sinks and suffix plus the top-budget rows.
+
+    scores `[L, H_owner, T_p]` with T_p = prompt_len - min(window, prompt_len); budgets count
+    selected prefix rows only (protected rows are outside the budget).
+    """
+    if window < 1:
+        raise SelectionError(
+            "selection.snapkv.observation_window", f"must be positive, got {window}"
+        )
+    prefix_len = prompt_len - min(window, prompt_len)
+    _check_scores(scores, budgets, prefix_len)
+    first = min(sinks, prefix_len)
+    protected_head = tuple(range(first))
+    suffix = tuple(range(prefix_len, prompt_len))
+    out = []
+    for layer in range(int(scores.shape[0])):
+        row = []
+        for owner, budget in enumerate(budgets[layer]):
+            chosen = top_k_positions(scores[layer, owner, first:], budget, tie_rule)
+            row.append(protected_head + tuple(first + i for i in chosen) + suffix)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def score(
+    manifest: KVVisibilityPolicyManifest,
+    obs_attn: torch.Tensor | Sequence[torch.Tensor],
+    prompt_len: int,
+) -> torch.Tensor:
+    """`snapkv_scores` with the manifest's parameters. `[L, H_owner, T_p]`
+
+    For a prompt shorter than W_obs the window is the whole prompt and there is no prefix.
+    """
+    params = _snapkv_params(manifest)
+    return snapkv_scores(
+        obs_attn,
+        prompt_len,
+        min(params.observation_window, prompt_len),
+        params.pooling,
+        params.pooling_kernel,
+        params.aggregation,
+        params.gqa_reduction,
+        manifest.tensor.resolved_q_to_kv_head_map(),
+    )
+
+
+def select(
+    manifest: KVVisibilityPolicyManifest,
+    scores: torch.Tensor,
+    budgets: Sequence[Sequence[int]],
+    prompt_len: int,
+) -> PositionGrid:
+    """`select_snapkv` with the manifest's window, sinks and tie rule."""
+    params = _snapkv_params(manifest)
+    selection = manifest.selection
+    return select_snapkv(
+        scores,
+        budgets,
+        params.observation_window,
+        prompt_len,
+        selection.tie_rule,
+        selection.protected.sinks,
+    )
+
+
+def protected_positions(manifest: KVVisibilityPolicyManifest, prompt_len: int) -> tuple[int, ...]:
+    """Sinks and observation suffix of a prompt: retained by every owner."""
+    params = _snapkv_params(manifest)
+    prefix_len = prompt_len - min(params.observation_window, prompt_len)
+    sinks = min(manifest.selection.protected.sinks, prefix_len)
+    return tuple(range(sinks)) + tuple(range(prefix_len, prompt_len))
+
+
+def _snapkv_params(manifest: KVVisibilityPolicyManifest) -> SnapKVParams:
+    params = manifest.selection.snapkv
+    if manifest.selection.method is not SelectionMethod.SNAPKV or params is None:
+        raise SelectionError("selection.method", f"{manifest.selection.method.value} is not snapkv")
+    return params
+
+
+def _stack_layers(obs_attn: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    if isinstance(obs_attn, torch.Tensor):
+        return obs_attn
+    if not obs_attn:
+        raise SelectionError("obs_attn", "no layers")
+    shapes = {tuple(a.shape) for a in obs_attn}
+    if len(shapes) != 1:
+        raise SelectionError("obs_attn", f"layers disagree on shape: {sorted(shapes)}")
+    return torch.stack(list(obs_attn))
+
+
+def _check_head_map(head_map: Sequence[int], num_q_heads: int, num_kv_heads: int | None) -> None:
+    if len(head_map) != num_q_heads:
+        raise SelectionError(
+            "q_to_kv_head_map", f"{len(head_map)} entries for {num_q_heads} query heads"
+        )
+    if any(h < 0 for h in head_map) or (
+        num_kv_heads is not None and any(h >= num_kv_heads for h in head_map)
+    ):
+        raise SelectionError(
+            "q_to_kv_head_map", f"{list(head_map)} names a K/V head outside [0, {num_kv_heads})"
+        )
+    if set(head_map) != set(range(max(head_map) + 1)):
+        raise SelectionError(
+            "q_to_kv_head_map", f"{list(head_map)} leaves a K/V head without query heads"
+        )
+
+
+def _check_obs_attn(
+    attn: torch.Tensor, prompt_len: int, window: int, head_map: Sequence[int]
+) -> None:
+    if attn.dim() != 4:
+        raise SelectionError("obs_attn", f"expected [L, H_q, W, T], got shape {tuple(attn.shape)}")
+    if window < 1 or window > prompt_len:
+        raise SelectionError(
+            "selection.snapkv.observation_window",
+            f"window {window} must be in [1, prompt_len = {prompt_len}]",
+        )
+    _, num_q_heads, attn_window, seq_len = (int(x) for x in attn.shape)
+    if (attn_window, seq_len) != (window, prompt_len):
+        raise SelectionError(
+            "obs_attn", f"window x keys {attn_window} x {seq_len}, expected {window} x {prompt_len}"
+        )
+    _check_head_map(head_map, num_q_heads, None)
+    if not bool(torch.isfinite(attn).all()) or bool((attn < 0).any()):
+        raise SelectionError("obs_attn", "probabilities must be finite and non-negative")
+
+
+def _check_scores(scores: torch.Tensor, budgets: Sequence[Sequence[int]], prefix_len: int) -> None:
+    if scores.dim() != 3 or int(scores.shape[2]) != prefix_len:
+        raise SelectionError(
+            "scores", f"expected [L, H_owner, {prefix_len}], got shape {tuple(scores.shape)}"
+        )
+    if bool(torch.isnan(scores).any()):
+        raise SelectionError("scores", "NaN score")
+    num_layers, num_owners = int(scores.shape[0]), int(scores.shape[1])
+    if len(budgets) != num_layers or any(len(b) != num_owners for b in budgets):
+        raise SelectionError("budgets", f"expected [{num_layers}][{num_owners}] budgets")
+    if any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 0 for layer in budgets for b in layer
+    ):
+        raise SelectionError("budgets", "budgets must be non-negative ints")
