@@ -1,0 +1,43 @@
+"""KV transfer between prefill and decode workers: descriptors over gRPC, packed rows over
+pairwise torch.distributed groups (gloo for CPU tensors, NCCL for CUDA tensors)."""
+
+from services.transfer.deadline import Deadline
+from services.transfer.descriptor import PairRoute, TransferDescriptor, from_proto, to_proto
+from services.transfer.errors import (
+    DescriptorInvalid,
+    PairGroupsExhausted,
+    PeerLost,
+    TransferError,
+    TransferKey,
+    TransferMismatch,
+    TransferTimeout,
+)
+from services.transfer.layout import PackedLayer, TensorSpec, ViewLayout, layer_of
+from services.transfer.pairgroup import PairGroupConfig
+from services.transfer.receiver import KVReceiver, RecvTransfer
+from services.transfer.sender import KVSender, PairLease, SendTransfer
+
+__all__ = [
+    "Deadline",
+    "DescriptorInvalid",
+    "KVReceiver",
+    "KVSender",
+    "PackedLayer",
+    "PairGroupConfig",
+    "PairGroupsExhausted",
+    "PairLease",
+    "PairRoute",
+    "PeerLost",
+    "RecvTransfer",
+    "SendTransfer",
+    "TensorSpec",
+    "TransferDescriptor",
+    "TransferError",
+    "TransferKey",
+    "TransferMismatch",
+    "TransferTimeout",
+    "ViewLayout",
+    "from_proto",
+    "layer_of",
+    "to_proto",
+]
