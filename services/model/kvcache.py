@@ -1,0 +1,335 @@
+"""The decode-side KV cache: one padded slab per layer, `[B_cap, H_kv, capacity, d_h]`, with
+a length per (request, K/V head). A request is admitted from a packed view (its retained rows,
+any number per head) or from a dense prefill (every position retained, same code after that).
+Each decode step appends one row per (request, owner) in place; capacity grows geometrically
+per layer, so a step never copies the cache. Row order inside a head is irrelevant to
+attention (keys carry RoPE at their original position), so recalled rows are appended too.
+
+Owners are the K/V heads (query head i reads owner i // G), or, for views packed under the
+GQA `expand` reduction, the query heads themselves (`owner_to_kv_head` = q_to_kv_head_map):
+then every query head has its own rows and each new K/V row is appended to all its owners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from services.model.attention import (
+    Attend,
+    ragged_decode_attention,
+    varlen_decode_attention,
+    varlen_decode_available,
+)
+from services.model.config import ModelConfig
+from services.model.errors import InvalidModelInput
+
+BACKENDS = ("auto", "padded", "varlen")
+
+
+class PackedRows(Protocol):
+    """What admission reads from `services.kvpolicy.packing.PackedKVView`."""
+
+    @property
+    def packed_k(self) -> torch.Tensor: ...  # [R_total, d_h]
+
+    @property
+    def packed_v(self) -> torch.Tensor: ...  # [R_total, d_h]
+
+    @property
+    def original_position_map(self) -> torch.Tensor: ...  # [R_total] int
+
+    @property
+    def row_offsets(self) -> torch.Tensor: ...  # [L, H_owner + 1]
+
+    def rows(self, layer: int, head: int) -> slice: ...
+
+
+@dataclass
+class LayerSlab:
+    """One layer's padded rows for every batch slot (runtime state, mutated in place)."""
+
+    keys: torch.Tensor  # [B_cap, H_kv, capacity, d_h]
+    values: torch.Tensor  # [B_cap, H_kv, capacity, d_h]
+    positions: torch.Tensor  # [B_cap, H_kv, capacity] int32, original position of each row
+    lengths: torch.Tensor  # [B_cap, H_kv] int64, valid rows per (slot, head)
+
+    @classmethod
+    def zeros(cls, slots: int, heads: int, capacity: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device) -> LayerSlab:
+        # Zero-filled so padding never holds NaN (0 * NaN would leak through the masked softmax).
+        shape = (slots, heads, capacity, head_dim)
+        return cls(
+            keys=torch.zeros(shape, dtype=dtype, device=device),
+            values=torch.zeros(shape, dtype=dtype, device=device),
+            positions=torch.zeros(shape[:3], dtype=torch.int32, device=device),
+            lengths=torch.zeros(shape[:2], dtype=torch.int64, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def resized(self, slots: int, capacity: int, used_slots: int, used_rows: int) -> LayerSlab:
+        """A larger slab holding this one's first `used_slots` slots and `used_rows` rows."""
+        grown = LayerSlab.zeros(slots, self.keys.shape[1], capacity, self.keys.shape[3],
+                                self.keys.dtype, self.keys.device)
+        grown.keys[:used_slots, :, :used_rows] = self.keys[:used_slots, :, :used_rows]
+        grown.values[:used_slots, :, :used_rows] = self.values[:used_slots, :, :used_rows]
+        grown.positions[:used_slots, :, :used_rows] = self.positions[:used_slots, :, :used_rows]
+        grown.lengths[:used_slots] = self.lengths[:used_slots]
+        return grown
+
+
+class DecodeCache:
+    """Ragged per-(request, layer, owner head) KV rows for a batch of decoding requests.
+
+    Requests occupy slots 0..B-1 in `request_ids` order; a decode step feeds one token per
+    request in that order. Releasing a request moves the last slot into the hole.
+    `owner_to_kv_head`: None = owners are the K/V heads; else one K/V head per owner.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        batch_capacity: int = 4,
+        row_capacity: int = 256,
+        backend: str = "auto",
+        owner_to_kv_head: tuple[int, ...] | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise InvalidModelInput("backend", f"{backend!r} is not one of {BACKENDS}")
+        if batch_capacity <= 0 or row_capacity <= 0:
+            raise InvalidModelInput("capacity", "batch and row capacity must be positive")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.request_ids: list[str] = []
+        self.num_owners, self._owner_map = self._owners(owner_to_kv_head)
+        self._slabs = [
+            LayerSlab.zeros(batch_capacity, self.num_owners, row_capacity,
+                            config.head_dim, dtype, self.device)
+            for _ in range(config.num_layers)
+        ]
+        self._frontier = torch.zeros(batch_capacity, dtype=torch.int64, device=self.device)
+        self._rows = np.zeros((config.num_layers, batch_capacity), dtype=np.int64)  # host max
+        self._index_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._varlen = backend == "varlen" or (
+            backend == "auto" and varlen_decode_available(self.device, dtype)
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+    def frontier(self) -> torch.Tensor:
+        """Original position of the next token of each active request `[B]`."""
+        return self._frontier[: self.batch_size]
+
+    def lengths(self, request_id: str) -> torch.Tensor:
+        """Rows held per (layer, owner) for one request `[L, H_owner]`."""
+        slot = self._slot(request_id)
+        return torch.stack([slab.lengths[slot] for slab in self._slabs])
+
+    def rows(self, request_id: str, layer: int, head: int) -> tuple[torch.Tensor, ...]:
+        """keys `[n, d_h]`, values `[n, d_h]`, original positions `[n]` held for one owner."""
+        slot, slab = self._slot(request_id), self._slabs[layer]
+        n = int(slab.lengths[slot, head])
+        return slab.keys[slot, head, :n], slab.values[slot, head, :n], slab.positions[slot, head, :n]
+
+    def admit_view(self, request_id: str, view: PackedRows, frontier: int) -> None:
+        """Admit a request from a packed view; `frontier` is the next token's original position."""
+        self._check_view(view)
+        positions = view.original_position_map
+        if positions.numel() and int(positions.max()) >= frontier:
+            raise InvalidModelInput("frontier", f"{frontier} is not past every retained position")
+        slot = self._new_slot(request_id, frontier)
+        for layer in range(self.config.num_layers):
+            spans = [view.rows(layer, head) for head in range(self.num_owners)]
+            self._reserve(layer, max(s.stop - s.start for s in spans) + 1)
+            for head, span in enumerate(spans):
+                self._write(layer, slot, head, view.packed_k[span], view.packed_v[span],
+                            view.original_position_map[span])
+
+    def admit_dense(
+        self, request_id: str, keys: torch.Tensor, values: torch.Tensor,
+        frontier: int | None = None,
+    ) -> None:
+        """Admit a request retaining every position: keys/values `[L, H_kv, T, d_h]`."""
+        expected = (self.config.num_layers, self.config.num_kv_heads)
+        if tuple(keys.shape[:2]) != expected or keys.shape != values.shape:
+            raise InvalidModelInput("source_k", f"shape {tuple(keys.shape)} does not match {expected}")
+        length = keys.shape[2]
+        slot = self._new_slot(request_id, length if frontier is None else frontier)
+        positions = torch.arange(length, dtype=torch.int32, device=self.device)
+        kv_heads = self._owner_map.tolist() if self._owner_map is not None else range(expected[1])
+        for layer in range(self.config.num_layers):
+            self._reserve(layer, length + 1)
+            for owner, head in enumerate(kv_heads):
+                self._write(layer, slot, owner, keys[layer, head], values[layer, head], positions)
+
+    def append_rows(
+        self, request_id: str, layer: int, head: int,
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    ) -> None:
+        """Add rows `[n, d_h]` at original `positions` `[n]` to one head (e.g. recalled rows)."""
+        slot = self._slot(request_id)
+        self._reserve(layer, int(self._slabs[layer].lengths[slot, head]) + keys.shape[0] + 1)
+        self._write(layer, slot, head, keys, values, positions)
+
+    def release(self, request_id: str) -> None:
+        """Drop a request; the last slot moves into its place (only that request's rows copy)."""
+        slot, last = self._slot(request_id), self.batch_size - 1
+        if slot != last:
+            for layer, slab in enumerate(self._slabs):
+                used = int(self._rows[layer, last])
+                slab.keys[slot, :, :used] = slab.keys[last, :, :used]
+                slab.values[slot, :, :used] = slab.values[last, :, :used]
+                slab.positions[slot, :, :used] = slab.positions[last, :, :used]
+                slab.lengths[slot] = slab.lengths[last]
+            self._rows[:, slot] = self._rows[:, last]
+            self._frontier[slot] = self._frontier[last]
+            self.request_ids[slot] = self.request_ids[last]
+        self.request_ids.pop()
+
+    def begin_step(self) -> torch.Tensor:
+        """Make room for one more row per (request, layer, head); returns positions `[B]`."""
+        if not self.request_ids:
+            raise InvalidModelInput("batch", "no request admitted")
+        for layer in range(self.config.num_layers):
+            self._reserve(layer, int(self._rows[layer, : self.batch_size].max()) + 1)
+        return self.frontier()
+
+    def attention(self, layer: int) -> Attend:
+        """The `Attend` of layer l for this step: append the new row to every owner, attend."""
+        slab, window = self._slabs[layer], self.config.sliding_windows[layer]
+        batch, scale = self.batch_size, self.config.head_dim**-0.5
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q [B, H_q, d_h]; k, v [B, H_kv, d_h] at the frontier position
+            if self._owner_map is not None:
+                k, v = k[:, self._owner_map], v[:, self._owner_map]  # [B, H_owner, d_h]
+            self._append_step(slab, k, v)
+            if self._varlen and window is None:
+                return varlen_decode_attention(
+                    q, slab.keys[:batch], slab.values[:batch], slab.lengths[:batch], scale
+                )
+            span = int(self._rows[layer, :batch].max()) + 1
+            return ragged_decode_attention(
+                q, slab.keys[:batch, :, :span], slab.values[:batch, :, :span],
+                slab.lengths[:batch], scale, self._outside_window(slab, span, window),
+            )
+
+        return attend
+
+    def end_step(self) -> None:
+        """Commit the step: every owner gained one row, every frontier moves by one."""
+        batch = self.batch_size
+        self._rows[:, :batch] += 1
+        self._frontier[:batch] += 1
+
+    def _append_step(self, slab: LayerSlab, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots, head_index = self._step_index(k.shape[0], k.shape[1])
+        rows = slab.lengths[: k.shape[0]].reshape(-1)
+        slab.keys[slots, head_index, rows] = k.reshape(-1, k.shape[-1]).to(slab.keys.dtype)
+        slab.values[slots, head_index, rows] = v.reshape(-1, v.shape[-1]).to(slab.values.dtype)
+        slab.positions[slots, head_index, rows] = self._frontier[slots].to(torch.int32)
+        slab.lengths[: k.shape[0]] += 1
+
+    def _step_index(self, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # (slot, owner) of every appended row `[B * H_owner]`, cached per batch size.
+        if self._index_cache is None or self._index_cache[0].shape[0] != batch * heads:
+            slots = torch.arange(batch, device=self.device).repeat_interleave(heads)
+            self._index_cache = (slots, torch.arange(heads, device=self.device).repeat(batch))
+        return self._index_cache
+
+    def _outside_window(
+        self, slab: LayerSlab, span: int, window: int | None
+    ) -> torch.Tensor | None:
+        if window is None:
+            return None
+        oldest = self.frontier() - window  # rows at or before this position are out of window
+        return slab.positions[: self.batch_size, :, :span] <= oldest[:, None, None].to(torch.int32)
+
+    def _owners(self, owner_to_kv_head: tuple[int, ...] | None) -> tuple[int, torch.Tensor | None]:
+        if owner_to_kv_head is None:
+            return self.config.num_kv_heads, None
+        if tuple(owner_to_kv_head) != self.config.q_to_kv_head_map:
+            raise InvalidModelInput(
+                "owner_to_kv_head", "owners other than K/V heads must be the query heads "
+                f"in q_to_kv_head_map order {list(self.config.q_to_kv_head_map)}"
+            )
+        owner_map = torch.tensor(owner_to_kv_head, dtype=torch.long, device=self.device)
+        return len(owner_to_kv_head), owner_map
+
+    def _new_slot(self, request_id: str, frontier: int) -> int:
+        if request_id in self.request_ids:
+            raise InvalidModelInput("request_id", f"{request_id!r} is already admitted")
+        slot = self.batch_size
+        if slot == self._frontier.shape[0]:
+            self._grow_batch(2 * slot)
+        self.request_ids.append(request_id)
+        self._frontier[slot] = frontier
+        self._rows[:, slot] = 0
+        for slab in self._slabs:
+            slab.lengths[slot] = 0
+        return slot
+
+    def _grow_batch(self, slots: int) -> None:
+        used = self.batch_size
+        self._slabs = [
+            slab.resized(slots, slab.capacity, used, int(self._rows[layer, :used].max(initial=0)))
+            for layer, slab in enumerate(self._slabs)
+        ]
+        frontier = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        frontier[:used] = self._frontier[:used]
+        self._frontier = frontier
+        rows = np.zeros((self.config.num_layers, slots), dtype=np.int64)
+        rows[:, :used] = self._rows[:, :used]
+        self._rows = rows
+
+    def _reserve(self, layer: int, needed_rows: int) -> None:
+        slab = self._slabs[layer]
+        if needed_rows <= slab.capacity:
+            return
+        capacity = max(needed_rows + needed_rows // 4, 2 * slab.capacity)  # headroom to append
+        used = int(self._rows[layer, : self.batch_size].max(initial=0))
+        self._slabs[layer] = slab.resized(slab.keys.shape[0], capacity, self.batch_size, used)
+
+    def _write(
+        self, layer: int, slot: int, head: int,
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    ) -> None:
+        slab = self._slabs[layer]
+        start = int(slab.lengths[slot, head])
+        stop = start + keys.shape[0]
+        slab.keys[slot, head, start:stop] = keys.to(device=self.device, dtype=self.dtype)
+        slab.values[slot, head, start:stop] = values.to(device=self.device, dtype=self.dtype)
+        slab.positions[slot, head, start:stop] = positions.to(device=self.device, dtype=torch.int32)
+        slab.lengths[slot, head] = stop
+        self._rows[layer, slot] = max(int(self._rows[layer, slot]), stop)
+
+    def _slot(self, request_id: str) -> int:
+        try:
+            return self.request_ids.index(request_id)
+        except ValueError:
+            raise InvalidModelInput("request_id", f"{request_id!r} is not admitted") from None
+
+    def _check_view(self, view: PackedRows) -> None:
+        d_h = self.config.head_dim
+        if view.packed_k.ndim != 2 or view.packed_k.shape[1] != d_h:
+            raise InvalidModelInput("packed_k", f"shape {tuple(view.packed_k.shape)}, need [R, {d_h}]")
+        if view.packed_v.shape != view.packed_k.shape:
+            raise InvalidModelInput("packed_v", "shape differs from packed_k")
+        if view.original_position_map.shape != view.packed_k.shape[:1]:
+            raise InvalidModelInput("original_position_map", "needs one position per packed row")
+        expected = (self.config.num_layers, self.num_owners + 1)
+        if tuple(view.row_offsets.shape) != expected:
+            raise InvalidModelInput(
+                "row_offsets", f"shape {tuple(view.row_offsets.shape)}, this cache needs {expected}"
+            )
