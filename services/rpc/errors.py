@@ -13,6 +13,7 @@ message, and for stale generations the current fence) in the trailing metadata k
 | `AlreadyExists`                         | ALREADY_EXISTS       |
 | `FailedPrecondition` (stale generation) | FAILED_PRECONDITION  |
 | `Unavailable`, Redis connection errors  | UNAVAILABLE          |
+| `ResourceExhausted` (capacity, budgets) | RESOURCE_EXHAUSTED   |
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class FailedPrecondition(ServiceError):
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = common_pb2.ERROR_REASON_BACKEND_UNAVAILABLE
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = common_pb2.ERROR_REASON_CAPACITY
 
 
 @dataclass(frozen=True)

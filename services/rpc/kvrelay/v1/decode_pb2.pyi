@@ -48,6 +48,22 @@ class TransferDescriptor(_message.Message):
     deadline_unix_ms: int
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., request_generation: _Optional[int] = ..., receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., source_worker: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., offload_handoff_id: _Optional[str] = ..., offload_address: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
+class GetTransferEndpointRequest(_message.Message):
+    __slots__ = ("source_worker",)
+    SOURCE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    source_worker: str
+    def __init__(self, source_worker: _Optional[str] = ...) -> None: ...
+
+class TransferEndpoint(_message.Message):
+    __slots__ = ("rendezvous_address", "decode_worker", "backends")
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    rendezvous_address: str
+    decode_worker: str
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rendezvous_address: _Optional[str] = ..., decode_worker: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AcceptTransferRequest(_message.Message):
     __slots__ = ("descriptor",)
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
@@ -89,7 +105,7 @@ class DecodeEvent(_message.Message):
     def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[DecodeSummary, _Mapping]] = ...) -> None: ...
 
 class DecodeSummary(_message.Message):
-    __slots__ = ("output_tokens", "tpot_ms", "finish_reason", "generations", "ledger", "recalled_rows", "recall_count", "fallbacks")
+    __slots__ = ("output_tokens", "tpot_ms", "finish_reason", "generations", "ledger", "recalled_rows", "recall_count", "fallbacks", "verified_receipt_digest", "retained_rows")
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +114,8 @@ class DecodeSummary(_message.Message):
     RECALLED_ROWS_FIELD_NUMBER: _ClassVar[int]
     RECALL_COUNT_FIELD_NUMBER: _ClassVar[int]
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_RECEIPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_ROWS_FIELD_NUMBER: _ClassVar[int]
     output_tokens: int
     tpot_ms: float
     finish_reason: _common_pb2.FinishReason
@@ -106,4 +124,6 @@ class DecodeSummary(_message.Message):
     recalled_rows: int
     recall_count: int
     fallbacks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, output_tokens: _Optional[int] = ..., tpot_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., generations: _Optional[_Union[_common_pb2.Generations, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., recalled_rows: _Optional[int] = ..., recall_count: _Optional[int] = ..., fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+    verified_receipt_digest: str
+    retained_rows: int
+    def __init__(self, output_tokens: _Optional[int] = ..., tpot_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., generations: _Optional[_Union[_common_pb2.Generations, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., recalled_rows: _Optional[int] = ..., recall_count: _Optional[int] = ..., fallbacks: _Optional[_Iterable[str]] = ..., verified_receipt_digest: _Optional[str] = ..., retained_rows: _Optional[int] = ...) -> None: ...

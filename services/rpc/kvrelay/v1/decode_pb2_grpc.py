@@ -34,6 +34,11 @@ class DecodeWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GetTransferEndpoint = channel.unary_unary(
+                '/kvrelay.v1.DecodeWorker/GetTransferEndpoint',
+                request_serializer=kvrelay_dot_v1_dot_decode__pb2.GetTransferEndpointRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_decode__pb2.TransferEndpoint.FromString,
+                _registered_method=True)
         self.AcceptTransfer = channel.unary_unary(
                 '/kvrelay.v1.DecodeWorker/AcceptTransfer',
                 request_serializer=kvrelay_dot_v1_dot_decode__pb2.AcceptTransferRequest.SerializeToString,
@@ -48,6 +53,15 @@ class DecodeWorkerStub:
 
 class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def GetTransferEndpoint(self, request, context):
+        """Where this worker's pair groups meet. Every descriptor names its pair group (rendezvous
+        address, backend, epoch), so a prefill worker asks this once per decode worker before
+        its first transfer, and again after a transfer to it failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def AcceptTransfer(self, request, context):
         """Reserves room for a packed KV view and joins the pairwise group; the tensors named in
@@ -67,6 +81,11 @@ class DecodeWorkerServicer:
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GetTransferEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransferEndpoint,
+                    request_deserializer=kvrelay_dot_v1_dot_decode__pb2.GetTransferEndpointRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_decode__pb2.TransferEndpoint.SerializeToString,
+            ),
             'AcceptTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.AcceptTransfer,
                     request_deserializer=kvrelay_dot_v1_dot_decode__pb2.AcceptTransferRequest.FromString,
@@ -87,6 +106,33 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def GetTransferEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.DecodeWorker/GetTransferEndpoint',
+            kvrelay_dot_v1_dot_decode__pb2.GetTransferEndpointRequest.SerializeToString,
+            kvrelay_dot_v1_dot_decode__pb2.TransferEndpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def AcceptTransfer(request,

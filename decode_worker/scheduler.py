@@ -1,0 +1,350 @@
+"""Continuous batching: one thread steps every admitted request together, one token each.
+
+    scheduler = DecodeScheduler(loaded, SchedulerConfig(max_batch=8, kv_budget_bytes=...))
+    scheduler.start()
+    reservation = scheduler.budget.reserve(reservation_bytes(layout, max_tokens, dtype), key)
+    scheduler.submit(DecodeRequest(..., reservation=reservation, sink=asyncio_sink(loop, queue)))
+    scheduler.cancel(request_id)                              # frees its KV at the next step
+
+Each iteration of the loop: apply cancellations → admit waiting requests while the batch has
+room (`max_batch`) → one `decode_step` over every admitted request (ragged packed views share
+one `DecodeCache` per owner layout) → sample each row with its own parameters → hand every
+token to its request's sink → release finished requests. The first output token was sampled
+by the prefill worker; the loop feeds it and emits tokens 1, 2, ... . Every step appends one
+row to every owner of a request, so its cache generation advances by one per step.
+
+Memory is governed by the `KVBudget`: a transfer is accepted only if its reservation (the
+view's rows plus the rows its decode can append, `reservation_bytes`) fits, and the bytes
+return when the request finishes, fails or is cancelled. Sinks are called from the loop
+thread; `asyncio_sink` forwards to an event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from decode_worker.config import SchedulerConfig
+from decode_worker.errors import CapacityExhausted
+from services.kvpolicy.packing import POSITION_DTYPE, PackedKVView
+from services.model import (
+    DecodeCache,
+    LoadedModel,
+    SamplingParams,
+    decode_step,
+    finish_reason,
+    sample,
+)
+from services.model.errors import ModelError
+from services.telemetry.spans import span
+from services.transfer import ViewLayout
+
+log = logging.getLogger(__name__)
+
+FINISH_CANCELLED = "cancelled"
+OwnerMap = tuple[int, ...] | None  # None: owners are the K/V heads
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """Output token `index` (0-based; index 0 is the prefill worker's) of a request."""
+
+    token_id: int
+    index: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class DecodeFinished:
+    """The request stopped (`reason`: eos, stop, length or cancelled) and its KV is released."""
+
+    reason: str
+    output_tokens: int
+    cache_generation: int
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class DecodeFailed:
+    """The request could not be decoded; its KV is released."""
+
+    message: str
+
+
+DecodeEvent = TokenOut | DecodeFinished | DecodeFailed
+EventSink = Callable[[DecodeEvent], None]
+
+
+def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[DecodeEvent]) -> EventSink:
+    """A sink that puts events on `queue` from the loop thread, via `call_soon_threadsafe`."""
+
+    def push(event: DecodeEvent) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    return push
+
+
+def reservation_bytes(layout: ViewLayout, max_tokens: int, cache_dtype: torch.dtype) -> int:
+    """KV bytes a request can occupy in the decode cache: the view's rows plus one row per
+    (layer, owner) for each of its `max_tokens - 1` decode steps, K and V at the cache dtype,
+    and an int32 original position per row."""
+    rows = layout.total_rows + max(0, max_tokens - 1) * layout.num_layers * layout.num_owners
+    return rows * (2 * layout.head_dim * cache_dtype.itemsize + POSITION_DTYPE.itemsize)
+
+
+class Reservation:
+    """Bytes held in a `KVBudget` until `release()` (idempotent, thread-safe)."""
+
+    def __init__(self, budget: KVBudget, nbytes: int, label: str) -> None:
+        self.budget = budget
+        self.nbytes = nbytes
+        self.label = label
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        self.budget._release(self)
+
+
+class KVBudget:
+    """A byte budget shared by every accepted transfer of a worker."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def reserve(self, nbytes: int, label: str) -> Reservation:
+        """Hold `nbytes`, or raise CapacityExhausted if they do not fit next to the others."""
+        with self._lock:
+            if self._used + nbytes > self.capacity_bytes:
+                raise CapacityExhausted(
+                    f"{label} needs {nbytes} KV bytes; {self._used} of {self.capacity_bytes} are reserved",
+                    field="kv_budget_bytes",
+                )
+            self._used += nbytes
+        return Reservation(self, nbytes, label)
+
+    def _release(self, reservation: Reservation) -> None:
+        with self._lock:
+            if not reservation._released:
+                reservation._released = True
+                self._used -= reservation.nbytes
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A verified view, ready to decode. `request_id` names it in the cache and in `cancel`;
+    `frontier` is the original position of `first_token` (output token 0)."""
+
+    request_id: str
+    view: PackedKVView
+    frontier: int
+    first_token: int
+    sampling: SamplingParams
+    max_tokens: int
+    cache_generation: int
+    reservation: Reservation
+    sink: EventSink
+    owner_to_kv_head: OwnerMap = None
+
+
+@dataclass
+class _Running:
+    """Runtime state of one admitted request (touched only by the loop thread)."""
+
+    request: DecodeRequest
+    last_token: int
+    generated: int
+    cache_generation: int
+    admitted_at: float
+    last_token_at: float
+
+
+class DecodeScheduler:
+    """The decode loop of one worker. `submit` and `cancel` are thread-safe; the cache, the
+    model and every sink call stay on the loop thread."""
+
+    def __init__(self, loaded: LoadedModel, config: SchedulerConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.budget = KVBudget(config.kv_budget_bytes)
+        self.max_batch_seen = 0
+        self.steps = 0
+        self._eos = loaded.generation_config.eos_token_ids
+        self._caches: dict[OwnerMap, DecodeCache] = {}
+        self._running: dict[str, _Running] = {}
+        self._pending: deque[DecodeRequest] = deque()
+        self._cancels: set[str] = set()
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+
+    @property
+    def active(self) -> int:
+        """Requests admitted to the cache or waiting for room."""
+        with self._cond:
+            return len(self._running) + len(self._pending)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; every request still here fails and releases its KV."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def submit(self, request: DecodeRequest) -> None:
+        """Queue a verified request; it joins the batch as soon as there is room."""
+        with self._cond:
+            if self._stopping:
+                request.reservation.release()
+                request.sink(DecodeFailed("the decode worker is stopping"))
+                return
+            self._pending.append(request)
+            self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (no-op if unknown or done); its KV is released before the next step."""
+        with self._cond:
+            self._cancels.add(request_id)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while (work := self._next_work()) is not None:
+            admitted, cancelled = work
+            try:
+                for request_id in cancelled:
+                    self._cancel_running(request_id)
+                for request in admitted:
+                    self._admit(request)
+                for owner_map, cache in list(self._caches.items()):
+                    if cache.batch_size:
+                        self._step(owner_map, cache)
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
+                log.exception("decode loop iteration failed")
+                for request_id in list(self._running):
+                    self._fail(request_id, f"decode loop failed: {exc}")
+        self._shutdown()
+
+    def _next_work(self) -> tuple[list[DecodeRequest], list[str]] | None:
+        """Wait until there is something to do; take cancellations and the requests that fit."""
+        with self._cond:
+            self._cond.wait_for(self._has_work)
+            if self._stopping:
+                return None
+            cancelled, self._cancels = list(self._cancels), set()
+            for request in [r for r in self._pending if r.request_id in cancelled]:
+                self._pending.remove(request)
+                self._release(request, DecodeFinished(FINISH_CANCELLED, 1, request.cache_generation, 0.0))
+            room = self.config.max_batch - len(self._running)
+            admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            return admitted, [c for c in cancelled if c in self._running]
+
+    def _has_work(self) -> bool:
+        fits = bool(self._pending) and len(self._running) < self.config.max_batch
+        return self._stopping or bool(self._cancels) or fits or bool(self._running)
+
+    def _admit(self, request: DecodeRequest) -> None:
+        reason = finish_reason(request.first_token, 1, request.max_tokens, request.sampling, self._eos)
+        if reason is not None:  # the prefill worker's token already ends it
+            self._release(request, DecodeFinished(reason, 1, request.cache_generation, 0.0))
+            return
+        try:
+            self._cache(request.owner_to_kv_head).admit_view(request.request_id, request.view, request.frontier)
+        except ModelError as exc:
+            self._release(request, DecodeFailed(f"cannot admit the view: {exc}"))
+            return
+        now = time.monotonic()
+        self._running[request.request_id] = _Running(
+            request, request.first_token, 1, request.cache_generation, now, now
+        )
+
+    def _step(self, owner_map: OwnerMap, cache: DecodeCache) -> None:
+        batch = [self._running[request_id] for request_id in cache.request_ids]
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        self.steps += 1
+        with span("decode.step", batch_size=len(batch)):
+            logits = decode_step(self.loaded.model, cache, [r.last_token for r in batch])  # [B, V]
+            tokens = sample(logits, [r.request.sampling for r in batch], [r.generated for r in batch])  # [B]
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]  # [B]
+        now = time.monotonic()
+        for running, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+            self._advance(running, int(token), float(logprob), now)
+
+    def _advance(self, running: _Running, token: int, logprob: float, now: float) -> None:
+        request = running.request
+        running.request.sink(TokenOut(token, running.generated, logprob))
+        running.last_token, running.last_token_at = token, now
+        running.generated += 1
+        running.cache_generation += 1  # one row appended to every owner
+        reason = finish_reason(token, running.generated, request.max_tokens, request.sampling, self._eos)
+        if reason is not None:
+            self._finish(running, reason)
+
+    def _finish(self, running: _Running, reason: str) -> None:
+        decoded = running.generated - 1
+        tpot_ms = 1000.0 * (running.last_token_at - running.admitted_at) / decoded if decoded else 0.0
+        self._drop(running.request.request_id)
+        self._release(running.request, DecodeFinished(reason, running.generated, running.cache_generation, tpot_ms))
+
+    def _cancel_running(self, request_id: str) -> None:
+        running = self._running.get(request_id)
+        if running is not None:
+            self._finish(running, FINISH_CANCELLED)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        running = self._running.get(request_id)
+        if running is not None:
+            self._drop(request_id)
+            self._release(running.request, DecodeFailed(message))
+
+    def _drop(self, request_id: str) -> None:
+        running = self._running.pop(request_id)
+        self._caches[running.request.owner_to_kv_head].release(request_id)
+
+    def _release(self, request: DecodeRequest, event: DecodeEvent) -> None:
+        request.reservation.release()
+        request.sink(event)
+
+    def _cache(self, owner_map: OwnerMap) -> DecodeCache:
+        cache = self._caches.get(owner_map)
+        if cache is None:
+            cache = DecodeCache(
+                self.loaded.config,
+                self.loaded.dtype,
+                self.loaded.device,
+                batch_capacity=self.config.max_batch,
+                row_capacity=self.config.initial_row_capacity,
+                owner_to_kv_head=owner_map,
+            )
+            self._caches[owner_map] = cache
+        return cache
+
+    def _shutdown(self) -> None:
+        for request_id in list(self._running):
+            self._fail(request_id, "the decode worker is stopping")
+        with self._cond:
+            pending, self._pending = list(self._pending), deque()
+        for request in pending:
+            self._release(request, DecodeFailed("the decode worker is stopping"))

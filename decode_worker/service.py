@@ -1,0 +1,470 @@
+"""The `kvrelay.v1.DecodeWorker` service: accept → receive → verify → decode → stream.
+
+A prefill worker asks `GetTransferEndpoint` once for this worker's rendezvous store, reserves
+a pair group there, and calls `AcceptTransfer` with a descriptor naming it. AcceptTransfer
+validates the descriptor, reserves the KV bytes the request can occupy (over budget →
+RESOURCE_EXHAUSTED), posts the receives and returns at once; a background task then
+
+    receives the view (by the descriptor's deadline)          span transfer.recv
+    verifies it before any use                                span kv.verify
+        manifest fits the model → view matches the descriptor → receipt digest recomputes
+        from the received positions → the fence says this state is current for its g_r
+    submits it to the continuous-batching decode loop
+
+Anything that fails releases the reservation and is recorded (`rejections`); nothing partial is
+decoded. `StreamTokens` waits for verification (failed: FAILED_PRECONDITION for a rejected
+or stale view, UNAVAILABLE for a transfer that did not complete), streams the first token
+(sampled by the prefill worker, from the descriptor) and every decoded token, then one
+summary, and ends the request at the policy service. A stream that closes early cancels the
+request and frees its KV at once; an accepted transfer whose stream never opens is released
+after `lease_timeout_s` (counted from verification).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.errors import (
+    CapacityExhausted,
+    DuplicateTransfer,
+    StaleTransfer,
+    TransferFailed,
+    TransferInvalid,
+    UnknownTransfer,
+    ViewRejected,
+)
+from decode_worker.scheduler import (
+    FINISH_CANCELLED,
+    DecodeEvent,
+    DecodeFinished,
+    DecodeRequest,
+    DecodeScheduler,
+    Reservation,
+    TokenOut,
+    asyncio_sink,
+    reservation_bytes,
+)
+from decode_worker.verify import check_fence, check_manifest, check_view, recompute_receipt
+from decode_worker.wire import IncomingTransfer, incoming_from_proto, ledger_to_proto
+from services.kvpolicy.errors import KVPolicyError
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest
+from services.kvpolicy.packing import PackedKVView
+from services.kvpolicy.receipt import Receipt
+from services.model import LoadedModel
+from services.model.sampler import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from services.policy import Fence, NotFound, PolicyClient, PolicyError
+from services.rpc.errors import ServiceError, maps_errors, reject_unknown_fields
+from services.rpc.kvrelay.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.telemetry.spans import extract_context, span
+from services.transfer import (
+    Deadline,
+    KVReceiver,
+    PairGroupsExhausted,
+    RecvTransfer,
+    TransferError,
+    TransferMismatch,
+)
+from services.transfer.pairgroup import RECEIVER_RANK, SENDER_RANK, backend_for
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvrelay.v1.DecodeWorker"
+_FINISH_REASONS = {
+    FINISH_EOS: common_pb2.FINISH_REASON_STOP,
+    FINISH_STOP: common_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FINISH_CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+T = TypeVar("T")
+
+
+class DecodeAborted(TransferFailed):
+    """The decode loop dropped the request after it started (e.g. the worker is stopping)."""
+
+
+class _Transfer:
+    """Runtime state of one accepted transfer; touched only on the event loop."""
+
+    def __init__(self, incoming: IncomingTransfer, reservation: Reservation, deadline: Deadline) -> None:
+        self.incoming = incoming
+        self.reservation = reservation
+        self.deadline = deadline
+        self.recv: RecvTransfer | None = None
+        self.events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+        self.verified = asyncio.Event()
+        self.error: ServiceError | None = None
+        self.receipt: Receipt | None = None
+        self.bytes_moved = 0
+        self.stream_open = False
+        self.submitted = False
+        self.closed = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def key(self) -> str:
+        return str(self.incoming.descriptor.key)
+
+    @property
+    def transfer_id(self) -> str:
+        return self.incoming.descriptor.transfer_id
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    """Thin adapter: parse at the edge, verify with `decode_worker.verify`, decode with the
+    `DecodeScheduler`; blocking transfer and verification work runs on `executor` threads."""
+
+    def __init__(
+        self,
+        config: DecodeWorkerConfig,
+        loaded: LoadedModel,
+        scheduler: DecodeScheduler,
+        receiver: KVReceiver,
+        policy: PolicyClient,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.scheduler = scheduler
+        self.receiver = receiver
+        self.policy = policy
+        self.rejections: collections.Counter[str] = collections.Counter()
+        self._executor = executor
+        self._transfers: dict[str, _Transfer] = {}
+        self._manifests: collections.OrderedDict[str, KVVisibilityPolicyManifest] = collections.OrderedDict()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def open_transfers(self) -> int:
+        return len(self._transfers)
+
+    @maps_errors
+    async def GetTransferEndpoint(
+        self, request: decode_pb2.GetTransferEndpointRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.TransferEndpoint:
+        return decode_pb2.TransferEndpoint(
+            rendezvous_address=self.receiver.address,
+            decode_worker=self.config.worker_id,
+            backends=[backend_for(self.receiver.device)],
+        )
+
+    @maps_errors
+    async def AcceptTransfer(
+        self, request: decode_pb2.AcceptTransferRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.AcceptTransferResponse:
+        reject_unknown_fields(request)
+        incoming = incoming_from_proto(
+            request.descriptor, vocab_size=self.loaded.config.vocab_size, max_new_tokens=self.config.max_new_tokens
+        )
+        descriptor = incoming.descriptor
+        if descriptor.transfer_id in self._transfers:
+            raise DuplicateTransfer("is already accepted", field="descriptor.transfer_id")
+        deadline = self._deadline(incoming)
+        nbytes = reservation_bytes(descriptor.layout, incoming.max_tokens, self.loaded.dtype)
+        record = _Transfer(incoming, self.scheduler.budget.reserve(nbytes, f"transfer {descriptor.key}"), deadline)
+        self._transfers[record.transfer_id] = record
+        try:
+            record.recv = await self._start_recv(record)
+        except BaseException as exc:
+            self._forget(record)
+            record.reservation.release()
+            if isinstance(exc, TransferError):
+                raise _accept_error(exc) from exc
+            raise
+        record.tasks = [self._spawn(self._receive(record)), self._spawn(self._expire_lease(record))]
+        return decode_pb2.AcceptTransferResponse(
+            transfer_id=record.transfer_id,
+            accepted=True,
+            sender_rank=SENDER_RANK,
+            receiver_rank=RECEIVER_RANK,
+            reserved_bytes=nbytes,
+            decode_worker=self.config.worker_id,
+        )
+
+    @maps_errors
+    async def StreamTokens(
+        self, request: decode_pb2.StreamTokensRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        reject_unknown_fields(request)
+        record = self._open_stream(request)
+        context.add_done_callback(lambda _: self._close(record, "stream closed"))
+        try:
+            await self._wait_verified(record)
+            yield decode_pb2.DecodeEvent(token=common_pb2.TokenEvent(token_id=record.incoming.first_token_id, index=0))
+            while True:
+                event = await self._next_event(record)
+                if isinstance(event, TokenOut):
+                    token = common_pb2.TokenEvent(token_id=event.token_id, index=event.index, logprob=event.logprob)
+                    yield decode_pb2.DecodeEvent(token=token)
+                elif isinstance(event, DecodeFinished):
+                    if event.reason != FINISH_CANCELLED:
+                        self._spawn(self._end_request(record))
+                    yield decode_pb2.DecodeEvent(summary=self._summary(record, event))
+                    return
+                else:
+                    raise DecodeAborted(event.message)
+        finally:
+            self._close(record, "stream ended")
+
+    async def close(self) -> None:
+        """Release every open transfer and wait for the background tasks."""
+        for record in list(self._transfers.values()):
+            self._close(record, "decode worker stopping")
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    # --- accept --------------------------------------------------------------------------
+
+    def _deadline(self, incoming: IncomingTransfer) -> Deadline:
+        seconds = self.config.transfer_timeout_s
+        if incoming.deadline_unix_ms:
+            remaining = incoming.deadline_unix_ms / 1000.0 - time.time()
+            if remaining <= 0:
+                raise TransferFailed(f"passed {-remaining:.3f} s ago", field="descriptor.deadline_unix_ms")
+            seconds = min(seconds, remaining)
+        return Deadline.after(seconds)
+
+    async def _start_recv(self, record: _Transfer) -> RecvTransfer:
+        """Join the descriptor's pair group and post the receives (a worker thread). If the
+        caller gives up meanwhile, a receive that still starts is cancelled at once."""
+        descriptor = record.incoming.descriptor
+        future = asyncio.get_running_loop().run_in_executor(
+            self._executor, self.receiver.start_recv, descriptor, record.deadline
+        )
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_cancel_orphan)
+            raise
+
+    async def _receive(self, record: _Transfer) -> None:
+        descriptor = record.incoming.descriptor
+        parent = extract_context(descriptor.trace_carrier())
+        attributes = _attributes(record)
+        try:
+            with span("transfer.recv", parent, **attributes, bytes=record.incoming.nbytes):
+                assert record.recv is not None
+                view = await self._in_thread(record.recv.wait_for_view, record.deadline)
+            record.bytes_moved = record.recv.bytes_moved
+            with span("kv.verify", parent, **attributes) as current:
+                manifest = await self._manifest(record.incoming.receipt.manifest_sha256)
+                record.receipt = await self._verify(record, manifest, view)
+                current.set_attribute("retained_rows", view.total_rows)
+        except TransferError as exc:
+            self._reject(record, TransferFailed(f"receive failed: {exc.reason}", field="transfer"))
+        except ServiceError as exc:
+            self._reject(record, exc)
+        else:
+            self._admit(record, manifest, view)
+
+    async def _verify(self, record: _Transfer, manifest: KVVisibilityPolicyManifest, view: PackedKVView) -> Receipt:
+        claim = record.incoming.receipt
+        layout = record.incoming.descriptor.layout
+
+        def pure_checks() -> Receipt:
+            check_manifest(manifest, claim, self.loaded.tensor_contract)
+            check_view(view, manifest, claim, layout)
+            return recompute_receipt(manifest, claim, view)
+
+        receipt = await self._in_thread(pure_checks)
+        check_fence(await self._fence(claim.request_id), claim)
+        return receipt
+
+    async def _manifest(self, sha256: str) -> KVVisibilityPolicyManifest:
+        manifest = self._manifests.get(sha256)
+        if manifest is not None:
+            self._manifests.move_to_end(sha256)
+            return manifest
+        try:
+            stored = await self.policy.get_manifest(sha256, timeout_s=self.config.policy_timeout_s)
+            manifest = KVVisibilityPolicyManifest.from_json(stored.canonical_json)
+        except NotFound:
+            raise ViewRejected(f"manifest {sha256} is not registered", field="receipt.manifest_sha256") from None
+        except KVPolicyError as exc:
+            raise ViewRejected(f"stored manifest is invalid: {exc}", field="receipt.manifest_sha256") from None
+        except PolicyError as exc:
+            raise TransferFailed(f"policy service: {exc}", field="receipt.manifest_sha256") from exc
+        self._manifests[sha256] = manifest
+        while len(self._manifests) > self.config.manifest_cache_size:
+            self._manifests.popitem(last=False)
+        return manifest
+
+    async def _fence(self, request_id: str) -> Fence | None:
+        try:
+            return await self.policy.get_fence(request_id, timeout_s=self.config.policy_timeout_s)
+        except NotFound:
+            return None
+        except PolicyError as exc:
+            raise TransferFailed(f"policy service: {exc}", field="fence") from exc
+
+    def _admit(self, record: _Transfer, manifest: KVVisibilityPolicyManifest, view: PackedKVView) -> None:
+        if not record.closed:
+            incoming = record.incoming
+            owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+            self.scheduler.submit(
+                DecodeRequest(
+                    request_id=record.key,
+                    view=view,
+                    frontier=incoming.receipt.end,
+                    first_token=incoming.first_token_id,
+                    sampling=incoming.sampling,
+                    max_tokens=incoming.max_tokens,
+                    cache_generation=incoming.receipt.cache_generation,
+                    reservation=record.reservation,
+                    sink=asyncio_sink(asyncio.get_running_loop(), record.events),
+                    owner_to_kv_head=owner_map,
+                )
+            )
+            record.submitted = True
+        record.verified.set()
+
+    def _reject(self, record: _Transfer, error: ServiceError) -> None:
+        record.error = error
+        record.verified.set()
+        record.reservation.release()
+        if record.recv is not None:
+            record.recv.cancel(str(error))
+        self.rejections[f"{type(error).__name__}:{error.field}"] += 1
+        log.warning("transfer %s rejected: %s: %s", record.key, type(error).__name__, error)
+
+    async def _expire_lease(self, record: _Transfer) -> None:
+        # The lease runs once the view is verified or rejected (the receive is bounded by the
+        # transfer deadline), so a slow transfer is never released before anyone could stream.
+        await record.verified.wait()
+        await asyncio.sleep(self.config.lease_timeout_s)
+        if not record.stream_open:
+            log.warning("transfer %s released: no stream opened within %.1f s", record.key, self.config.lease_timeout_s)
+            self._close(record, "lease expired before a stream opened")
+
+    # --- stream --------------------------------------------------------------------------
+
+    def _open_stream(self, request: decode_pb2.StreamTokensRequest) -> _Transfer:
+        record = self._transfers.get(request.transfer_id)
+        if record is None or record.incoming.descriptor.request_id != request.request_id:
+            raise UnknownTransfer(
+                f"no accepted transfer {request.transfer_id!r} for request {request.request_id!r}",
+                field="transfer_id",
+            )
+        if request.request_generation != record.incoming.receipt.request_generation:
+            raise StaleTransfer(
+                f"transfer carries request generation {record.incoming.receipt.request_generation}",
+                field="request_generation",
+            )
+        if record.stream_open:
+            raise DuplicateTransfer("a stream is already open for this transfer", field="transfer_id")
+        record.stream_open = True
+        return record
+
+    async def _wait_verified(self, record: _Transfer) -> None:
+        timeout = record.deadline.remaining() + 2 * self.config.policy_timeout_s
+        try:
+            await asyncio.wait_for(record.verified.wait(), timeout)
+        except TimeoutError:
+            raise TransferFailed(f"not verified within {timeout:.1f} s", field="transfer") from None
+        if record.error is not None:
+            raise record.error
+
+    async def _next_event(self, record: _Transfer) -> DecodeEvent:
+        try:
+            return await asyncio.wait_for(record.events.get(), self.config.transfer_timeout_s)
+        except TimeoutError:
+            raise DecodeAborted(f"no token for {self.config.transfer_timeout_s} s", field="decode") from None
+
+    def _summary(self, record: _Transfer, finished: DecodeFinished) -> decode_pb2.DecodeSummary:
+        claim = record.incoming.receipt
+        return decode_pb2.DecodeSummary(
+            output_tokens=finished.output_tokens,
+            tpot_ms=finished.tpot_ms,
+            finish_reason=_FINISH_REASONS[finished.reason],
+            generations=common_pb2.Generations(
+                request_generation=claim.request_generation,
+                state_generation=claim.state_generation,
+                parent_state_generation=claim.parent_state_generation,
+                cache_generation=finished.cache_generation,
+            ),
+            ledger=ledger_to_proto(record.incoming.ledger, record.bytes_moved),
+            verified_receipt_digest=record.receipt.digest if record.receipt else "",
+            retained_rows=record.incoming.descriptor.layout.total_rows,
+        )
+
+    async def _end_request(self, record: _Transfer) -> None:
+        claim = record.incoming.receipt
+        try:
+            await self.policy.end_request(
+                claim.request_id, claim.request_generation, timeout_s=self.config.policy_timeout_s
+            )
+        except PolicyError as exc:  # ended already, or superseded: nothing left to do
+            log.info("EndRequest %s@r%d: %s", claim.request_id, claim.request_generation, exc)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def _close(self, record: _Transfer, reason: str) -> None:
+        """Release everything the transfer holds (idempotent): cancel its decode, or its
+        receive and reservation if it never reached the decode loop."""
+        if record.closed:
+            return
+        record.closed = True
+        self._forget(record)
+        current = _current_task()
+        for task in record.tasks:
+            if task is not current:
+                task.cancel()
+        if record.submitted:
+            self.scheduler.cancel(record.key)
+        else:
+            record.reservation.release()
+            if record.recv is not None:
+                record.recv.cancel(reason)
+
+    def _forget(self, record: _Transfer) -> None:
+        if self._transfers.get(record.transfer_id) is record:
+            del self._transfers[record.transfer_id]
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+
+def _cancel_orphan(future: asyncio.Future[RecvTransfer]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().cancel("AcceptTransfer was cancelled")
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # called back outside the event loop (grpc done callback)
+        return None
+
+
+def _accept_error(exc: TransferError) -> ServiceError:
+    if isinstance(exc, PairGroupsExhausted):
+        return CapacityExhausted(exc.reason, field="pair_groups")
+    if isinstance(exc, TransferMismatch):
+        return TransferInvalid(exc.reason, field=f"descriptor.{exc.field}")
+    return TransferFailed(exc.reason, field="descriptor.rendezvous_address")
+
+
+def _attributes(record: _Transfer) -> dict[str, object]:
+    claim = record.incoming.receipt
+    return {
+        "request_id": claim.request_id,
+        "request_generation": claim.request_generation,
+        "state_generation": claim.state_generation,
+        "manifest_sha256": claim.manifest_sha256,
+        "transfer_id": record.transfer_id,
+    }

@@ -1,0 +1,230 @@
+"""The send stage: hand a packed view to the decode worker the gateway chose.
+
+    endpoint  = GetTransferEndpoint(D)                      # cached per decode worker
+    lease     = KVSender.reserve(key, endpoint.rendezvous)  # a pair group to D's TCPStore
+    transfer  = KVSender.start_send(descriptor, lease)      # rendezvous in the background
+    AcceptTransfer(D, descriptor)                           # control over gRPC
+    every layer queued → transfer.wait_for_send(deadline)   # rows over torch.distributed
+
+Any failure — decode worker unreachable, descriptor refused, rendezvous or send timeout,
+peer lost, the call cancelled — tears the pair group down (the transfer layer does that)
+and surfaces as `DecodeWorkerUnavailable` naming the decode worker; its cached endpoint is
+forgotten so the next transfer asks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from prefill_worker.errors import DecodeWorkerUnavailable
+from prefill_worker.wire import PrefillCall, ledger_to_proto, receipt_to_proto, sampling_to_proto
+from services.kvpolicy.packing import PackedKVView
+from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.telemetry.spans import inject_context
+from services.transfer import (
+    Deadline,
+    DescriptorInvalid,
+    KVSender,
+    PairLease,
+    PairRoute,
+    SendTransfer,
+    TransferDescriptor,
+    TransferError,
+    TransferKey,
+    ViewLayout,
+    layer_of,
+    to_proto,
+)
+from services.transfer.pairgroup import backend_for
+
+if TYPE_CHECKING:
+    from prefill_worker.pipeline import Packed
+
+_MIN_CALL_S = 0.001
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a decode worker's pair groups meet, as it answered GetTransferEndpoint."""
+
+    rendezvous_address: str
+    decode_worker: str
+    backends: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A finished send: the descriptor the decode worker accepted and the bytes that moved."""
+
+    descriptor: decode_pb2.TransferDescriptor
+    bytes_moved: int
+    reserved_bytes: int
+    decode_worker: str
+
+
+class Refused(Exception):
+    """The decode worker answered, but not in a way a transfer can go on from."""
+
+
+class DecodeHandoff:
+    """The prefill side of the handoff: gRPC channels to decode workers, their endpoints, and
+    a `KVSender` whose pair groups carry the rows."""
+
+    def __init__(
+        self,
+        sender: KVSender,
+        device: torch.device | str,
+        *,
+        accept_timeout_s: float = 5.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.sender = sender
+        self._device = torch.device(device)
+        self._backend = backend_for(self._device)
+        self._accept_timeout_s = accept_timeout_s
+        self._max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._endpoints: dict[str, Endpoint] = {}
+
+    async def send(self, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline) -> Handoff:
+        """Move `packed.view` to `call.decode`; returns once every layer is out."""
+        target = call.decode
+        try:
+            return await self._send(call, first_token, packed, deadline)
+        except (TransferError, DescriptorInvalid, grpc.aio.AioRpcError, Refused) as exc:
+            self._endpoints.pop(target.address, None)
+            raise DecodeWorkerUnavailable(
+                f"decode worker {target.worker_id} at {target.address}: {_describe(exc)}",
+                field="decode_worker_address",
+            ) from exc
+        except BaseException:
+            self._endpoints.pop(target.address, None)
+            raise
+
+    async def close(self) -> None:
+        """Close the pair groups and the channels."""
+        await asyncio.to_thread(self.sender.close)
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    async def _send(self, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline) -> Handoff:
+        endpoint = await self._endpoint(call, deadline)
+        key = TransferKey(call.request_id, call.request_generation, packed.state.state_generation, uuid.uuid4().hex)
+        lease = await self._reserve(key, endpoint, deadline)
+        descriptor = self._descriptor(key, packed, lease)
+        transfer = self.sender.start_send(descriptor, lease, deadline)
+        try:
+            message = _message(descriptor, call, first_token, packed, deadline)
+            reply = await self._accept(call, message, deadline)
+            moved = await asyncio.to_thread(send_layers, transfer, packed.view, deadline)
+        except BaseException as exc:
+            transfer.cancel(f"handoff failed: {_describe(exc)}")
+            raise
+        if moved != packed.ledger.traffic_bytes:
+            raise Refused(f"moved {moved} bytes, the ledger says {packed.ledger.traffic_bytes}")
+        return Handoff(message, moved, reply.reserved_bytes, reply.decode_worker or call.decode.worker_id)
+
+    async def _endpoint(self, call: PrefillCall, deadline: Deadline) -> Endpoint:
+        address = call.decode.address
+        cached = self._endpoints.get(address)
+        if cached is not None:
+            return cached
+        request = decode_pb2.GetTransferEndpointRequest(source_worker=self.sender.worker_id)
+        reply = await self._stub(address).GetTransferEndpoint(request, timeout=self._call_timeout(deadline))
+        endpoint = Endpoint(reply.rendezvous_address, reply.decode_worker, tuple(reply.backends))
+        PairRoute(endpoint.rendezvous_address, self._backend, 1)  # host:port, or DescriptorInvalid
+        if endpoint.backends and self._backend not in endpoint.backends:
+            raise Refused(f"it receives on {list(endpoint.backends)}, this worker sends with {self._backend}")
+        self._endpoints[address] = endpoint
+        return endpoint
+
+    async def _reserve(self, key: TransferKey, endpoint: Endpoint, deadline: Deadline) -> PairLease:
+        # Reserving may wait on the decode worker's store, so it runs on a thread; if the
+        # call is cancelled meanwhile, the lease it still returns is given back.
+        reserving = asyncio.ensure_future(
+            asyncio.to_thread(self.sender.reserve, key, endpoint.rendezvous_address, self._device, deadline)
+        )
+        try:
+            return await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            reserving.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, reserving: asyncio.Future[PairLease]) -> None:
+        if not reserving.cancelled() and reserving.exception() is None:
+            self.sender.cancel(reserving.result(), "the prefill call was cancelled")
+
+    def _descriptor(self, key: TransferKey, packed: Packed, lease: PairLease) -> TransferDescriptor:
+        return TransferDescriptor(
+            transfer_id=key.transfer_id,
+            request_id=key.request_id,
+            request_generation=key.request_generation,
+            state_generation=key.state_generation,
+            cache_generation=packed.state.cache_generation,
+            receipt_digest=packed.receipt.digest,
+            source_worker=self.sender.worker_id,
+            route=lease.route,
+            layout=ViewLayout.of(packed.view),
+            trace_context=tuple(inject_context().items()),
+        )
+
+    async def _accept(
+        self, call: PrefillCall, message: decode_pb2.TransferDescriptor, deadline: Deadline
+    ) -> decode_pb2.AcceptTransferResponse:
+        request = decode_pb2.AcceptTransferRequest(descriptor=message)
+        reply = await self._stub(call.decode.address).AcceptTransfer(request, timeout=self._call_timeout(deadline))
+        if not reply.accepted:
+            raise Refused(f"AcceptTransfer answered accepted=false for transfer {message.transfer_id}")
+        if reply.transfer_id and reply.transfer_id != message.transfer_id:
+            raise Refused(f"AcceptTransfer answered for transfer {reply.transfer_id}, not {message.transfer_id}")
+        return reply
+
+    def _stub(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options(self._max_message_bytes))
+            self._channels[address] = channel
+        return decode_pb2_grpc.DecodeWorkerStub(channel)
+
+    def _call_timeout(self, deadline: Deadline) -> float:
+        return max(_MIN_CALL_S, min(self._accept_timeout_s, deadline.remaining()))
+
+
+def send_layers(transfer: SendTransfer, view: PackedKVView, deadline: Deadline) -> int:
+    """Queue every layer (each goes out as soon as the pair group is connected), then wait
+    until all are out; returns the bytes moved."""
+    for layer in range(view.num_layers):
+        transfer.send_layer(layer_of(view, layer))
+    return transfer.wait_for_send(deadline)
+
+
+def _message(
+    descriptor: TransferDescriptor, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline
+) -> decode_pb2.TransferDescriptor:
+    """The wire descriptor: the transfer layer's part plus what the decode worker needs to
+    verify, decode and account for the request."""
+    message = to_proto(descriptor)
+    message.receipt.CopyFrom(receipt_to_proto(packed.receipt, packed.ledger))
+    message.first_token_id = first_token
+    message.sampling.CopyFrom(sampling_to_proto(call.sampling, call.max_tokens))
+    message.ledger.CopyFrom(ledger_to_proto(packed.ledger, bytes_moved=packed.ledger.traffic_bytes))
+    message.prompt_tokens = call.prompt_tokens
+    message.deadline_unix_ms = int((time.time() + deadline.remaining()) * 1000)
+    return message
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return str(exc) or type(exc).__name__

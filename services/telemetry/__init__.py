@@ -1,0 +1,1 @@
+"""Tracing (OpenTelemetry) helpers shared by every service."""
