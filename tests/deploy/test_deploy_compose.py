@@ -1,0 +1,195 @@
+"""docker/compose.yaml (and the GPU override): valid against the Compose specification's JSON
+schema, every kvrelay service runs a real `kvrelay serve ROLE` with that role's own
+environment names and default ports, addresses point at services that listen there, and the
+stack is wired as documented (Redis password, Jaeger OTLP, health-gated start order)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from deploy_helpers import (
+    REPO,
+    default_ports,
+    envvars,
+    is_library_env,
+    package_version,
+    parse_dockerfile,
+    resolve_command,
+    role_of,
+    serve_roles,
+)
+
+COMPOSE = REPO / "docker" / "compose.yaml"
+COMPOSE_GPU = REPO / "docker" / "compose.gpu.yaml"
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+@functools.cache
+def compose_validator() -> jsonschema.protocols.Validator:
+    """The Compose specification's schema, as vendored by check-jsonschema (offline)."""
+    vendor = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads(vendor.joinpath("compose-spec.json").read_text())
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)
+    return validator_class(schema)
+
+
+def kvrelay_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in compose["services"].items() if str(s.get("image", "")).startswith("kvrelay:")}
+
+
+def image_env(dockerfile: Path) -> dict[str, str]:
+    return parse_dockerfile(dockerfile)[1][-1].env()
+
+
+def effective_env(service: dict[str, Any]) -> dict[str, str]:
+    """The image's ENV overlaid with the service's environment."""
+    dockerfile = REPO / service["build"]["dockerfile"]
+    return {**image_env(dockerfile), **{k: str(v) for k, v in service.get("environment", {}).items()}}
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("dns:///").rpartition(":")
+    return host, int(port)
+
+
+def listen_port(service: dict[str, Any]) -> int:
+    command, rest = resolve_command(service["command"])
+    port_var = next(name for name, p in envvars(command).items() if p.name == "port")
+    return int(effective_env(service).get(port_var, default_ports()[role_of(service["command"])]["port"]))
+
+
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+def test_compose_files_follow_the_compose_specification(path: Path) -> None:
+    compose_validator().validate(load(path))
+
+
+def test_schema_check_rejects_a_misspelled_key() -> None:
+    broken = load(COMPOSE)
+    broken["services"]["gateway"]["healthcheck"]["intervall"] = "5s"
+    with pytest.raises(jsonschema.ValidationError, match="intervall"):
+        compose_validator().validate(broken)
+
+
+def test_every_role_runs_once_with_its_own_environment_names() -> None:
+    services = kvrelay_services(load(COMPOSE))
+    assert sorted(role_of(s["command"]) for s in services.values()) == sorted(serve_roles())
+    for name, service in services.items():
+        command, rest = resolve_command(service["command"])
+        command.make_context(command.name, rest)
+        own = envvars(command)
+        unknown = {var for var in service["environment"] if var not in own and not is_library_env(var)}
+        assert not unknown, f"{name}: {sorted(unknown)} are not variables of `kvrelay {' '.join(service['command'])}`"
+        for var, value in service["environment"].items():
+            if var in own and own[var].name in ("port", "transfer_port"):
+                role = role_of(service["command"])
+                assert int(value) == default_ports()[role][own[var].name], f"{name}: {var}={value}"
+        host_var = next(v for v, p in own.items() if p.name == "host")
+        assert effective_env(service)[host_var] == "0.0.0.0", f"{name} must listen on every interface"
+
+
+def test_addresses_point_at_services_listening_there() -> None:
+    compose = load(COMPOSE)
+    services = kvrelay_services(compose)
+    by_role = {role_of(s["command"]): name for name, s in services.items()}
+    address_roles = {"KVRELAY_POLICY_ADDRESS": "policy", "KVRELAY_PREFILL_WORKERS": "prefill",
+                     "KVRELAY_DECODE_WORKERS": "decode"}
+    seen = set()
+    for service in services.values():
+        for var, role in address_roles.items():
+            if var in service["environment"]:
+                host, port = host_port(service["environment"][var])
+                assert host == by_role[role], f"{var} names {host}, the {role} service is {by_role[role]}"
+                assert port == listen_port(services[host]), f"{var}: {host} listens on {listen_port(services[host])}"
+                seen.add(var)
+    assert seen == set(address_roles)
+    gateway = services[by_role["gateway"]]
+    assert gateway["environment"]["KVRELAY_PREFILL_WORKERS"].startswith("dns:///"), "scaled workers are found by DNS"
+    assert gateway["environment"]["KVRELAY_DECODE_WORKERS"].startswith("dns:///")
+
+
+def test_images_are_built_from_this_repository() -> None:
+    version = package_version()
+    for path, flavor in ((COMPOSE, "cpu"), (COMPOSE_GPU, "cuda")):
+        compose = load(path)
+        for name, service in kvrelay_services(compose).items():
+            assert service["image"] == f"kvrelay:{version}-{flavor}", name
+            assert (COMPOSE.parent / service["build"]["context"]).resolve() == REPO
+            dockerfile = REPO / service["build"]["dockerfile"]
+            assert dockerfile.exists(), f"{name}: {dockerfile} is missing"
+            assert (dockerfile.name == "Dockerfile.cuda") == (flavor == "cuda")
+
+
+def test_healthchecks_run_the_images_health_script() -> None:
+    script = next(c.destination for c in parse_dockerfile(REPO / "docker" / "Dockerfile")[1][-1].copies()
+                  if c.sources == ("docker/healthcheck.py",))
+    for name, service in kvrelay_services(load(COMPOSE)).items():
+        assert service["healthcheck"]["test"] == ["CMD", "python", script], name
+
+
+def test_start_order_waits_for_health() -> None:
+    compose = load(COMPOSE)
+    services = compose["services"]
+    for name, service in services.items():
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], f"{dependency} has no healthcheck to wait for"
+    by_role = {role_of(s["command"]): n for n, s in kvrelay_services(compose).items()}
+    gateway_waits = {d for d, c in services[by_role["gateway"]]["depends_on"].items() if c["condition"] == "service_healthy"}
+    assert gateway_waits == {by_role["policy"], by_role["prefill"], by_role["decode"]}
+    assert services[by_role["policy"]]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for role in ("prefill", "decode"):
+        assert services[by_role[role]]["depends_on"][by_role["policy"]]["condition"] == "service_healthy"
+
+
+def test_redis_requires_the_password_the_policy_service_uses() -> None:
+    services = load(COMPOSE)["services"]
+    redis = services["redis"]
+    password = redis["environment"]["REDIS_PASSWORD"]
+    assert "--requirepass" in " ".join(redis["command"])
+    assert "$$REDIS_PASSWORD" in " ".join(redis["healthcheck"]["test"])
+    policy = next(s for s in kvrelay_services(load(COMPOSE)).values() if role_of(s["command"]) == "policy")
+    match = re.fullmatch(r"redis://:(?P<password>[^@]+)@(?P<host>[\w-]+):(?P<port>\d+)/\d+", policy["environment"]["REDIS_URL"])
+    assert match, policy["environment"]["REDIS_URL"]
+    assert match["password"] == password and match["host"] == "redis" and match["port"] == "6379"
+    assert "/data" in " ".join(redis["volumes"]), "AOF persistence on a volume"
+
+
+def test_jaeger_receives_otlp_from_every_service_and_ui_and_gateway_are_published() -> None:
+    compose = load(COMPOSE)
+    jaeger = compose["services"]["jaeger"]
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert "16686:16686" in jaeger["ports"]
+    assert re.fullmatch(r"jaegertracing/all-in-one:\d+\.\d+\.\d+", jaeger["image"])
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+-alpine", compose["services"]["redis"]["image"])
+    for name, service in kvrelay_services(compose).items():
+        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
+        assert service["environment"]["OTEL_SERVICE_NAME"] == f"kvrelay-{role_of(service['command'])}"
+    gateway = next(s for s in kvrelay_services(compose).values() if role_of(s["command"]) == "gateway")
+    port = default_ports()["gateway"]["port"]
+    assert gateway["ports"] == [f"{port}:{port}"]
+
+
+def test_gpu_override_puts_the_workers_on_cuda() -> None:
+    base, gpu = load(COMPOSE), load(COMPOSE_GPU)
+    assert set(gpu["services"]) == {"prefill", "decode"} <= set(base["services"])
+    for name, service in gpu["services"].items():
+        role = role_of(base["services"][name]["command"])
+        own = envvars(serve_roles()[role])
+        assert service["environment"]["KVRELAY_DEVICE"] == "cuda" and "KVRELAY_DEVICE" in own
+        assert all(var in own or is_library_env(var) for var in service["environment"]), name
+        assert service["environment"]["NCCL_SOCKET_IFNAME"] == "eth0"
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
