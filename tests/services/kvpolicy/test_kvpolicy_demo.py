@@ -41,6 +41,6 @@ def test_demo_finds_the_needles_in_the_first_layer() -> None:
 
 
 def test_kvrelay_demo_command() -> None:
-    outcome = CliRunner().invoke(app, ["demo"])
+    outcome = CliRunner().invoke(app, ["demo", "--core"])
     assert outcome.exit_code == 0, outcome.output
     assert "byte ledger" in outcome.output

@@ -1,0 +1,100 @@
+"""A small synchronous client of the Gateway API, for the CLI (`kvrelay generate`, `kvrelay
+demo`), the end-to-end benchmark and tests.
+
+    request = generate_request("what is the code of ada ? answer :", policy="snapkv", max_tokens=4)
+    with GatewayClient("127.0.0.1:50051") as client:
+        for event in client.stream(request): ...      # token events, then the summary
+        result = client.generate(request)             # or collect everything
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+
+def generate_request(
+    prompt: str | Sequence[int],
+    *,
+    policy: str | None = None,
+    manifest_sha256: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    detokenize: bool = True,
+    request_id: str = "",
+) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest from plain values: text or token ids, a policy by name (latest
+    generation) or by sha256, and sampling (omitted entirely when every value is default, so
+    the gateway's default max_tokens applies)."""
+    request = gateway_pb2.GenerateRequest(request_id=request_id, detokenize=detokenize)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    if manifest_sha256:
+        request.manifest.sha256 = manifest_sha256
+    elif policy:
+        request.manifest.by_name.name = policy
+    if max_tokens is not None or temperature or top_k or top_p or seed or stop_token_ids:
+        request.sampling.CopyFrom(common_pb2.SamplingParams(
+            max_tokens=max_tokens or 0, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop_token_ids=list(stop_token_ids),
+        ))
+    return request
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Everything one Generate call returned."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    summary: gateway_pb2.GenerateSummary
+
+
+class GatewayClient:
+    """Blocking client; `timeout_s` bounds each whole Generate call."""
+
+    def __init__(self, address: str, timeout_s: float = 300.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, request: gateway_pb2.GenerateRequest) -> Iterator[gateway_pb2.GenerateEvent]:
+        """Events as they arrive. Raises grpc.RpcError on a failed call (closing the
+        iterator early cancels the call)."""
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def generate(self, request: gateway_pb2.GenerateRequest) -> Generation:
+        ids: list[int] = []
+        text: list[str] = []
+        for event in self.stream(request):
+            if event.HasField("summary"):
+                return Generation(tuple(ids), "".join(text), event.summary)
+            ids.append(event.token.token_id)
+            text.append(event.token.text)
+        raise RuntimeError(f"gateway {self.address} ended the stream without a summary")

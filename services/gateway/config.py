@@ -1,0 +1,64 @@
+"""Configuration of one gateway process. CLI flags and environment variables fill it at the
+entry point (`kvrelay serve gateway`); nothing writes to it afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.gateway.discovery import DiscoveryConfig, WorkerSource
+from services.rpc.server import ServerConfig
+
+DEFAULT_POLICY = "snapkv"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The served checkpoint (its tokenizer, vocabulary, context length and tensor contract),
+    where the policy service and the workers are, request limits and deadlines.
+
+    `dtype` must be the K/V dtype the workers load the checkpoint with (None: the
+    checkpoint's own); the default manifests are registered for that tensor contract.
+    """
+
+    checkpoint: Path
+    prefill_workers: WorkerSource
+    decode_workers: WorkerSource
+    policy_address: str = "127.0.0.1:50061"
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
+    dtype: str | None = None
+    default_policy: str = DEFAULT_POLICY
+    register_default_manifests: bool = True
+    default_max_tokens: int = 64
+    max_tokens_limit: int = 4096
+    # None: the model's context length minus one (room for at least one output token).
+    max_prompt_tokens: int | None = None
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    policy_timeout_s: float = 5.0
+    startup_timeout_s: float = 30.0
+    manifest_cache_ttl_s: float = 5.0
+    prefill_timeout_s: float = 120.0
+    # Until the decode worker's first event (verification happens before it) and between events.
+    first_event_timeout_s: float = 60.0
+    event_timeout_s: float = 60.0
+    # Attempts after the first when a worker fails before the first token reaches the client.
+    max_retries: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.policy_address:
+            raise ValueError("policy_address: must not be empty")
+        if not self.default_policy:
+            raise ValueError("default_policy: must not be empty")
+        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens: {self.default_max_tokens} is not in (0, max_tokens_limit="
+                f"{self.max_tokens_limit}]"
+            )
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens: {self.max_prompt_tokens} must be >= 1")
+        for name in ("policy_timeout_s", "startup_timeout_s", "manifest_cache_ttl_s",
+                     "prefill_timeout_s", "first_event_timeout_s", "event_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+        if not 0 <= self.max_retries <= 3:
+            raise ValueError(f"max_retries: {self.max_retries} is not in [0, 3]")

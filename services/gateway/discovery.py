@@ -1,0 +1,286 @@
+"""Worker discovery: where the prefill and decode workers are, which are healthy, which to pick.
+
+A `WorkerSource` is a static list (`host:port,host:port`) or a DNS name
+(`dns:///name:port`, e.g. a headless Kubernetes service that resolves to one address per pod).
+A `WorkerPool` re-resolves it every `resolve_interval_s`, asks every endpoint's gRPC health
+service every `health_interval_s`, and lends endpoints out: `pick` (pure) chooses the healthy
+worker with the fewest outstanding requests; ties go to the one picked least recently, then to
+listing order. A worker whose call failed is skipped until its next passing health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.rpc.errors import Unavailable
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+_HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\],]+):(?P<port>\d{1,5})")
+_DNS_PREFIXES = ("dns:///", "dns:")
+
+
+class NoHealthyWorker(Unavailable):
+    """No worker of a role is healthy right now."""
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """How often worker addresses are re-resolved and health-checked, and how long one
+    check may take."""
+
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    resolve_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval_s", "health_timeout_s", "resolve_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+
+
+def split_host_port(address: str, field: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host without brackets, port); ValueError names `field`."""
+    match = _HOST_PORT.fullmatch(address)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise ValueError(f"{field}: {address!r} is not host:port")
+    return match["host"].strip("[]"), int(match["port"])
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def resolve_dns(host: str, port: int) -> list[str]:
+    """Every distinct TCP address `host` resolves to, in resolver order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses: list[str] = []
+    for _family, _type, _proto, _name, sockaddr in infos:
+        address = join_host_port(str(sockaddr[0]), port)
+        if address not in addresses:
+            addresses.append(address)
+    return addresses
+
+
+@dataclass(frozen=True)
+class WorkerSource:
+    """Either a static list of addresses or one DNS name and port (never both)."""
+
+    addresses: tuple[str, ...] = ()
+    dns_host: str = ""
+    dns_port: int = 0
+
+    def __post_init__(self) -> None:
+        if bool(self.addresses) == bool(self.dns_host):
+            raise ValueError("workers: give either a list of host:port or one dns:///name:port")
+        for address in self.addresses:
+            split_host_port(address, "workers")
+        if self.dns_host and not 0 < self.dns_port < 65536:
+            raise ValueError(f"workers: port {self.dns_port} is not in (0, 65536)")
+
+    @classmethod
+    def parse(cls, spec: str, field: str = "workers") -> WorkerSource:
+        """`host:port[,host:port...]` or `dns:///name:port` (also `dns:name:port`)."""
+        spec = spec.strip()
+        for prefix in _DNS_PREFIXES:
+            if spec.startswith(prefix):
+                host, port = split_host_port(spec[len(prefix):], field)
+                return cls(dns_host=host, dns_port=port)
+        addresses = tuple(part.strip() for part in spec.split(",") if part.strip())
+        if not addresses:
+            raise ValueError(f"{field}: no worker address given")
+        for address in addresses:
+            split_host_port(address, field)
+        return cls(addresses=addresses)
+
+    def __str__(self) -> str:
+        if self.dns_host:
+            return f"dns:///{join_host_port(self.dns_host, self.dns_port)}"
+        return ",".join(self.addresses)
+
+    async def resolve(self, resolver: Resolver = resolve_dns) -> tuple[str, ...]:
+        if not self.dns_host:
+            return self.addresses
+        return tuple(await resolver(self.dns_host, self.dns_port))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What `pick` knows about one worker."""
+
+    address: str
+    healthy: bool
+    outstanding: int
+    last_pick: int
+
+
+def pick(candidates: Sequence[Candidate], avoid: frozenset[str] = frozenset()) -> str | None:
+    """The healthy worker with the fewest outstanding requests, preferring workers not in
+    `avoid` (a retry avoids the worker that just failed, but falls back to it when it is the
+    only healthy one). Ties: least recently picked, then listing order. None if none is healthy."""
+    healthy = [c for c in candidates if c.healthy]
+    preferred = [c for c in healthy if c.address not in avoid] or healthy
+    if not preferred:
+        return None
+    return min(preferred, key=lambda c: (c.outstanding, c.last_pick)).address
+
+
+class Endpoint:
+    """One worker address: its channel and, owned by its pool, health and load."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                *channel_options(max_message_bytes),
+                ("grpc.enable_retries", 0),
+                # A restarted worker is found again quickly (gRPC's default backoff starts at 1 s).
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self.healthy = False
+        self.outstanding = 0
+        self.last_pick = 0
+        self.retired = False
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.address, self.healthy, self.outstanding, self.last_pick)
+
+
+class WorkerPool:
+    """The live set of one role's workers (e.g. role "decode", service
+    "kvrelay.v1.DecodeWorker"). `start()` resolves and checks once before returning."""
+
+    def __init__(
+        self,
+        role: str,
+        service: str,
+        source: WorkerSource,
+        config: DiscoveryConfig,
+        *,
+        resolver: Resolver = resolve_dns,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.role = role
+        self.service = service
+        self.source = source
+        self.config = config
+        self._resolver = resolver
+        self._max_message_bytes = max_message_bytes
+        self._endpoints: dict[str, Endpoint] = {}
+        self._picks = 0
+        self._resolved_at = float("-inf")
+        self._task: asyncio.Task[None] | None = None
+
+    def candidates(self) -> list[Candidate]:
+        return [endpoint.candidate() for endpoint in self._endpoints.values()]
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name=f"{self.role}-discovery")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for endpoint in self._endpoints.values():
+            await endpoint.channel.close()
+        self._endpoints.clear()
+
+    async def refresh(self) -> None:
+        """Re-resolve when due, then health-check every endpoint concurrently."""
+        if time.monotonic() - self._resolved_at >= self.config.resolve_interval_s:
+            await self._resolve()
+        endpoints = list(self._endpoints.values())
+        results = await asyncio.gather(*(self._check(endpoint) for endpoint in endpoints))
+        for endpoint, healthy in zip(endpoints, results, strict=True):
+            if healthy != endpoint.healthy:
+                log.info("%s worker %s is %s", self.role, endpoint.address, "healthy" if healthy else "unhealthy")
+            endpoint.healthy = healthy
+
+    async def check_any_healthy(self) -> str | None:
+        """Readiness probe: None while at least one worker is healthy, else why not."""
+        if any(c.healthy for c in self.candidates()):
+            return None
+        return f"no healthy {self.role} worker among {self.source} ({len(self._endpoints)} resolved)"
+
+    def mark_failed(self, address: str) -> None:
+        """Skip `address` until its next passing health check."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None and endpoint.healthy:
+            log.warning("%s worker %s failed a call; skipping it until it passes a health check", self.role, address)
+            endpoint.healthy = False
+
+    @contextlib.asynccontextmanager
+    async def lease(self, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Endpoint]:
+        """Lend the best worker for one request (counted as outstanding until the block exits).
+        With none healthy, one immediate health round runs before NoHealthyWorker."""
+        address = pick(self.candidates(), avoid)
+        if address is None:
+            await self.refresh()
+            address = pick(self.candidates(), avoid)
+        if address is None:
+            raise NoHealthyWorker(f"no healthy {self.role} worker among {self.source}")
+        endpoint = self._endpoints[address]
+        self._picks += 1
+        endpoint.outstanding += 1
+        endpoint.last_pick = self._picks
+        try:
+            yield endpoint
+        finally:
+            endpoint.outstanding -= 1
+            if endpoint.retired and endpoint.outstanding == 0:
+                await endpoint.channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # a discovery round must never end the loop
+                log.exception("%s discovery round failed", self.role)
+
+    async def _resolve(self) -> None:
+        try:
+            addresses = await self.source.resolve(self._resolver)
+        except OSError as exc:
+            log.warning("resolving %s workers %s failed (keeping %d known): %s",
+                        self.role, self.source, len(self._endpoints), exc)
+            return
+        self._resolved_at = time.monotonic()
+        for address in addresses:
+            if address not in self._endpoints:
+                self._endpoints[address] = Endpoint(address, self._max_message_bytes)
+        for address in [a for a in self._endpoints if a not in addresses]:
+            await self._retire(self._endpoints.pop(address))
+
+    async def _retire(self, endpoint: Endpoint) -> None:
+        log.info("%s worker %s no longer resolves; retiring it", self.role, endpoint.address)
+        endpoint.retired = True
+        if endpoint.outstanding == 0:
+            await endpoint.channel.close()
+
+    async def _check(self, endpoint: Endpoint) -> bool:
+        stub = health_pb2_grpc.HealthStub(endpoint.channel)
+        request = health_pb2.HealthCheckRequest(service=self.service)
+        try:
+            response = await stub.Check(request, timeout=self.config.health_timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)

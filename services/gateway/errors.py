@@ -1,0 +1,52 @@
+"""How worker failures reach the client.
+
+A worker's own typed failure (INVALID_ARGUMENT, FAILED_PRECONDITION with the current fence,
+RESOURCE_EXHAUSTED, ...) is relayed with its status code and `ErrorDetail` unchanged; the
+message gains the worker that said it. A failure before the first token reaches the client
+is a `WorkerFailed`: the orchestrator may retry it on other workers, or relay its error.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.rpc.errors import ServiceError, Unavailable, error_detail
+from services.rpc.kvrelay.v1 import common_pb2
+
+
+class RelayedError(ServiceError):
+    """A downstream kvrelay service's error, passed on with its code and detail."""
+
+    def __init__(self, code: grpc.StatusCode, upstream: common_pb2.ErrorDetail, where: str) -> None:
+        super().__init__(f"{where}: {upstream.message}", field=upstream.field)
+        self.code = code  # type: ignore[misc]  # per instance: whatever the worker answered
+        self._upstream = upstream
+
+    def detail(self) -> common_pb2.ErrorDetail:
+        detail = common_pb2.ErrorDetail()
+        detail.CopyFrom(self._upstream)
+        detail.message = self.message
+        return detail
+
+
+def relay(error: grpc.aio.AioRpcError, where: str) -> ServiceError:
+    """The error to send the client for a failed call to `where` (e.g. "decode worker 1.2.3.4:50063").
+    Transport failures without a kvrelay detail become UNAVAILABLE naming `where`."""
+    detail = error_detail(error)
+    if detail is None:
+        return Unavailable(f"{where}: {error.code().name}: {error.details() or 'no details'}")
+    return RelayedError(error.code(), detail, where)
+
+
+class WorkerFailed(Exception):
+    """A worker failed before the first token reached the client.
+
+    `prefill` / `decode` name the worker to avoid on a retry (empty when not to blame);
+    `error` is what the client gets when no retry is left.
+    """
+
+    def __init__(self, error: ServiceError, *, prefill: str = "", decode: str = "") -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.prefill = prefill
+        self.decode = decode

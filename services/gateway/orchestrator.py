@@ -1,0 +1,234 @@
+"""One generation request through the disaggregated workers:
+
+    resolve manifest -> begin (request generation g_r) -> pick prefill P and decode D ->
+    P.Prefill (P publishes the compressed state and sends it to D) -> D.StreamTokens ->
+    forward tokens -> summary -> end
+
+Retry rule: a worker that fails before the first token reaches the client (P unreachable,
+a transfer to D that P reports failed, D's stream failing before its first event) is
+retried up to `max_retries` times on other workers with a new request generation —
+BeginRequest again fences the failed attempt out. After the first token the stream ends
+with UNAVAILABLE; the tokens already sent stay valid. A client cancel cancels both workers'
+calls and ends the request in the policy service, so a decode worker that has not yet
+verified the transfer rejects it and frees its reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.gateway.detokenize import IncrementalDetokenizer
+from services.gateway.discovery import Endpoint, WorkerPool
+from services.gateway.errors import WorkerFailed, relay
+from services.gateway.policies import ManifestResolver, ResolvedManifest
+from services.gateway.summary import Route, TokenClock, build_summary
+from services.gateway.validation import GenerationInput
+from services.policy import PolicyClient, PolicyError
+from services.rpc.errors import ServiceError, Unavailable, error_detail
+from services.rpc.kvrelay.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+# A prefill call that failed with one of these may succeed on other workers.
+_PREFILL_RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each step may take: the whole prefill call (prefill, publish, transfer), the
+    decode worker's first event (its verification comes first), each later event, and each
+    policy service call."""
+
+    prefill_s: float
+    first_event_s: float
+    event_s: float
+    policy_s: float
+
+
+class Orchestrator:
+    """Runs `generate` for the servicer; owns no connections (the pools and client do)."""
+
+    def __init__(
+        self,
+        policy: PolicyClient,
+        resolver: ManifestResolver,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        decode_text: Callable[[Sequence[int]], str],
+        deadlines: Deadlines,
+        max_retries: int,
+    ) -> None:
+        self.policy = policy
+        self.resolver = resolver
+        self.prefill = prefill
+        self.decode = decode
+        self.decode_text = decode_text
+        self.deadlines = deadlines
+        self.max_retries = max_retries
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def generate(self, request: GenerationInput) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        """Token events, then one summary. Raises a ServiceError (mapped at the edge)."""
+        clock = TokenClock()
+        manifest = await self.resolver.resolve(request.manifest)
+        avoid_prefill: frozenset[str] = frozenset()
+        avoid_decode: frozenset[str] = frozenset()
+        generation = 0
+        try:
+            for attempt in itertools.count():
+                fence = await self.policy.begin_request(request.request_id, timeout_s=self.deadlines.policy_s)
+                generation = fence.request_generation
+                try:
+                    async for event in self._attempt(request, manifest, generation, clock, avoid_prefill, avoid_decode):
+                        yield event
+                    return
+                except WorkerFailed as failure:
+                    if attempt >= self.max_retries:
+                        raise failure.error from failure
+                    log.warning("request %s (g_r %d) failed before its first token, retrying: %s",
+                                request.request_id, generation, failure)
+                    avoid_prefill |= {failure.prefill} - {""}
+                    avoid_decode |= {failure.decode} - {""}
+        finally:
+            if generation:
+                self._end_later(request.request_id, generation)
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Let pending EndRequest calls finish (bounded)."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=timeout_s)
+
+    async def _attempt(
+        self,
+        request: GenerationInput,
+        manifest: ResolvedManifest,
+        generation: int,
+        clock: TokenClock,
+        avoid_prefill: frozenset[str],
+        avoid_decode: frozenset[str],
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        async with self.prefill.lease(avoid_prefill) as prefill, self.decode.lease(avoid_decode) as decode:
+            prefilled = await self._prefill(request, manifest, generation, prefill, decode)
+            route = Route(request.request_id, manifest.sha256, len(request.prompt_ids), prefill.address, decode.address)
+            async for event in self._stream(request, generation, prefilled, route, decode, clock):
+                yield event
+
+    async def _prefill(
+        self,
+        request: GenerationInput,
+        manifest: ResolvedManifest,
+        generation: int,
+        prefill: Endpoint,
+        decode: Endpoint,
+    ) -> prefill_pb2.PrefillResponse:
+        message = prefill_pb2.PrefillRequest(
+            request_id=request.request_id,
+            request_generation=generation,
+            prompt_token_ids=request.prompt_ids,
+            sampling=request.sampling.to_proto(),
+            manifest_sha256=manifest.sha256,
+            decode_worker_address=decode.address,
+            decode_worker_id=decode.address,
+        )
+        call = prefill_pb2_grpc.PrefillWorkerStub(prefill.channel).Prefill(message, timeout=self.deadlines.prefill_s)
+        try:
+            response: prefill_pb2.PrefillResponse = await call
+            return response
+        except grpc.aio.AioRpcError as exc:
+            raise self._prefill_failed(exc, prefill, decode) from exc
+        finally:
+            call.cancel()  # a no-op once answered; carries a client cancel to the prefill worker
+
+    def _prefill_failed(self, exc: grpc.aio.AioRpcError, prefill: Endpoint, decode: Endpoint) -> Exception:
+        error = relay(exc, f"prefill worker {prefill.address}")
+        if exc.code() not in _PREFILL_RETRYABLE:
+            return error
+        detail = error_detail(exc)
+        if detail is None:  # the prefill worker itself is unreachable or did not answer in time
+            self.prefill.mark_failed(prefill.address)
+            return WorkerFailed(error, prefill=prefill.address, decode=decode.address)
+        if detail.reason == common_pb2.ERROR_REASON_TRANSFER_FAILED:
+            self.decode.mark_failed(decode.address)
+        blame_prefill = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return WorkerFailed(error, prefill=prefill.address if blame_prefill else "", decode=decode.address)
+
+    async def _stream(
+        self,
+        request: GenerationInput,
+        generation: int,
+        prefilled: prefill_pb2.PrefillResponse,
+        route: Route,
+        decode: Endpoint,
+        clock: TokenClock,
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        message = decode_pb2.StreamTokensRequest(
+            request_id=request.request_id, request_generation=generation, transfer_id=prefilled.transfer.transfer_id
+        )
+        call = decode_pb2_grpc.DecodeWorkerStub(decode.channel).StreamTokens(message)
+        detokenizer = IncrementalDetokenizer(self.decode_text) if request.detokenize else None
+        try:
+            while True:
+                timeout = self.deadlines.event_s if clock.tokens else self.deadlines.first_event_s
+                event = await self._read(call, timeout, decode, clock)
+                if event.HasField("summary"):
+                    yield gateway_pb2.GenerateEvent(summary=build_summary(route, prefilled, event.summary, clock))
+                    return
+                clock.token()
+                yield gateway_pb2.GenerateEvent(token=_forward(event.token, detokenizer))
+        finally:
+            call.cancel()  # a no-op after the summary; frees the decode worker's KV on a client cancel
+
+    async def _read(
+        self, call: grpc.aio.UnaryStreamCall, timeout_s: float, decode: Endpoint, clock: TokenClock
+    ) -> decode_pb2.DecodeEvent:
+        where = f"decode worker {decode.address}"
+        error: ServiceError
+        try:
+            event = await asyncio.wait_for(call.read(), timeout_s)
+        except TimeoutError:
+            error = Unavailable(f"{where}: no event within {timeout_s:g} s")
+        except grpc.aio.AioRpcError as exc:
+            error = relay(exc, where)
+            if error_detail(exc) is None:
+                self.decode.mark_failed(decode.address)
+        else:
+            if event is not grpc.aio.EOF:
+                return event
+            error = Unavailable(f"{where}: stream ended without a summary")
+        if clock.tokens == 0 and error.code != grpc.StatusCode.INVALID_ARGUMENT:
+            raise WorkerFailed(error, decode=decode.address)
+        raise error
+
+    def _end_later(self, request_id: str, generation: int) -> None:
+        """EndRequest in the background: idempotent after the decode worker ended it, and it
+        fences out whatever a failed or cancelled attempt left behind."""
+        task = asyncio.create_task(self._end(request_id, generation))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _end(self, request_id: str, generation: int) -> None:
+        with contextlib.suppress(PolicyError):
+            await self.policy.end_request(request_id, generation, timeout_s=self.deadlines.policy_s)
+
+
+def _forward(token: common_pb2.TokenEvent, detokenizer: IncrementalDetokenizer | None) -> common_pb2.TokenEvent:
+    text = detokenizer.feed(token.token_id) if detokenizer is not None else ""
+    return common_pb2.TokenEvent(token_id=token.token_id, text=text, index=token.index, logprob=token.logprob)

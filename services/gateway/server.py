@@ -1,0 +1,173 @@
+"""Lifecycle of one gateway process: the served checkpoint's metadata (tokenizer, context
+length, tensor contract; no weights), the default manifests, worker discovery, gRPC server.
+
+`GatewayServer.start(config)` returns a serving instance; its gRPC health reports SERVING
+while the policy service serves and each role has a healthy worker. `stop()` drains gRPC and
+closes the pools and the policy client. `serve(config)` runs until SIGINT/SIGTERM (what
+`kvrelay serve gateway` calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.gateway.config import GatewayConfig
+from services.gateway.discovery import WorkerPool
+from services.gateway.orchestrator import DECODE_SERVICE, PREFILL_SERVICE, Deadlines, Orchestrator
+from services.gateway.policies import ManifestResolver, register_defaults
+from services.gateway.service import SERVICE_NAME, GatewayServicer
+from services.gateway.validation import RequestLimits
+from services.kvpolicy.manifest import TensorContract
+from services.model.config import (
+    ModelConfig,
+    make_tensor_contract,
+    parse_model_config,
+    resolve_dtype,
+)
+from services.model.errors import MissingCheckpointFile
+from services.model.loader import CONFIG_FILE
+from services.model.tokenizer import TOKENIZER_FILE, TextTokenizer
+from services.policy import PolicyClient, PolicyClientConfig, PolicyUnavailable
+from services.rpc.kvrelay.v1 import gateway_pb2_grpc
+from services.rpc.readiness import ReadinessCheck
+from services.rpc.server import RpcServer, ServiceBinding, start_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the gateway needs of the checkpoint the workers serve."""
+
+    tokenizer: TextTokenizer
+    config: ModelConfig
+    contract: TensorContract
+
+    @classmethod
+    def read(cls, checkpoint: Path, dtype: str | None) -> ServedModel:
+        """config.json and tokenizer.json of `checkpoint`; `dtype` is the workers' K/V dtype."""
+        config_path = checkpoint / CONFIG_FILE
+        if not config_path.is_file():
+            raise MissingCheckpointFile(config_path)
+        config = parse_model_config(json.loads(config_path.read_text()))
+        tokenizer = TextTokenizer.from_file(checkpoint / TOKENIZER_FILE)
+        contract = make_tensor_contract(config, resolve_dtype(dtype, config.checkpoint_dtype))
+        return cls(tokenizer, config, contract)
+
+    def limits(self, config: GatewayConfig) -> RequestLimits:
+        context = self.config.max_position_embeddings
+        return RequestLimits(
+            vocab_size=self.config.vocab_size,
+            context_length=context,
+            max_prompt_tokens=min(config.max_prompt_tokens or context - 1, context - 1),
+            max_tokens_limit=config.max_tokens_limit,
+            default_max_tokens=config.default_max_tokens,
+        )
+
+
+class GatewayServer:
+    """A running gateway."""
+
+    def __init__(self, config: GatewayConfig, rpc: RpcServer, policy: PolicyClient,
+                 pools: tuple[WorkerPool, WorkerPool], orchestrator: Orchestrator) -> None:
+        self.config = config
+        self.rpc = rpc
+        self.policy = policy
+        self.prefill_pool, self.decode_pool = pools
+        self.orchestrator = orchestrator
+
+    @property
+    def address(self) -> str:
+        return self.rpc.address
+
+    @classmethod
+    async def start(cls, config: GatewayConfig) -> GatewayServer:
+        served = await asyncio.to_thread(ServedModel.read, config.checkpoint, config.dtype)
+        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s))
+        pools = (
+            WorkerPool("prefill", PREFILL_SERVICE, config.prefill_workers, config.discovery,
+                       max_message_bytes=config.server.max_message_bytes),
+            WorkerPool("decode", DECODE_SERVICE, config.decode_workers, config.discovery,
+                       max_message_bytes=config.server.max_message_bytes),
+        )
+        try:
+            if config.register_default_manifests:
+                await _register_when_reachable(policy, served.contract, config.startup_timeout_s)
+            for pool in pools:
+                await pool.start()
+            orchestrator = Orchestrator(
+                policy,
+                ManifestResolver(policy, served.contract, config.default_policy,
+                                 name_ttl_s=config.manifest_cache_ttl_s, timeout_s=config.policy_timeout_s),
+                *pools,
+                decode_text=lambda ids: served.tokenizer.decode(list(ids)),
+                deadlines=Deadlines(config.prefill_timeout_s, config.first_event_timeout_s,
+                                    config.event_timeout_s, config.policy_timeout_s),
+                max_retries=config.max_retries,
+            )
+            servicer = GatewayServicer(served.limits(config), served.tokenizer.encode, orchestrator)
+            binding = ServiceBinding(SERVICE_NAME, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
+            rpc = await start_server(config.server, [binding], readiness_checks(policy, *pools))
+        except BaseException:
+            for pool in pools:
+                await pool.close()
+            await policy.close()
+            raise
+        log.info("gateway on %s: prefill %s, decode %s, policy %s", rpc.address, config.prefill_workers,
+                 config.decode_workers, config.policy_address)
+        return cls(config, rpc, policy, pools, orchestrator)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain gRPC, finish pending EndRequest calls, close pools and the policy client."""
+        await self.rpc.stop(grace_s)
+        await self.orchestrator.close()
+        await self.prefill_pool.close()
+        await self.decode_pool.close()
+        await self.policy.close()
+
+
+def readiness_checks(policy: PolicyClient, prefill: WorkerPool, decode: WorkerPool) -> list[ReadinessCheck]:
+    """SERVING while the policy service serves and each role has a healthy worker."""
+    return [
+        ReadinessCheck("policy", policy.check_serving),
+        ReadinessCheck("prefill workers", prefill.check_any_healthy),
+        ReadinessCheck("decode workers", decode.check_any_healthy),
+    ]
+
+
+async def _register_when_reachable(policy: PolicyClient, contract: TensorContract, timeout_s: float) -> None:
+    """Register the default manifests, waiting up to `timeout_s` for the policy service."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            registrations = await register_defaults(policy, contract, timeout_s=max(deadline - time.monotonic(), 0.1))
+        except PolicyUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.2)
+            continue
+        created = [r.ref.name for r in registrations if r.created]
+        log.info("default manifests: %d registered now, %d already present", len(created), len(registrations) - len(created))
+        return
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run until SIGINT or SIGTERM, then stop cleanly."""
+    server = await GatewayServer.start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    print(f"kvrelay gateway listening on {server.address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()

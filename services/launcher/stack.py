@@ -1,0 +1,350 @@
+"""`kvrelay up`: a whole local deployment as separate processes.
+
+    policy service (+ embedded Redis) -> prefill worker(s) + decode worker(s) + gateway
+
+Each service runs as `kvrelay serve <role>` (through `services.launcher.child`) in its own
+session, so a Ctrl-C in the terminal reaches only the launcher, which stops the services in
+order; its output goes to a log file. The launcher waits until every service's gRPC health
+says SERVING, and `stop()` ends everything it started: SIGTERM, then SIGKILL of the
+service's process group (an embedded redis-server included) after `stop_timeout_s`. A child
+also gets SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, set by
+`services.launcher.child`), so nothing outlives it. The gateway registers the default
+manifests for the checkpoint when it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.redis_embedded import free_loopback_port
+
+# services.model.train_demo.DEMO_CHECKPOINT, named here without importing the model runtime
+# (and torch) into the launcher process.
+DEMO_CHECKPOINT = Path(__file__).resolve().parents[1] / "model" / "demo_checkpoint"
+_LOG_TAIL_LINES = 20
+
+
+class StackError(RuntimeError):
+    """A service did not start, or died, or did not stop."""
+
+
+@dataclass(frozen=True)
+class WorkerPorts:
+    """A decode worker listens on two ports: gRPC and its TCPStore rendezvous."""
+
+    grpc: int
+    rendezvous: int = 0
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to run and where. `threads` is each service's torch/OpenMP thread count."""
+
+    checkpoint: Path
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    gateway_port: int = 50051
+    policy_port: int = 50061
+    prefill_ports: tuple[int, ...] = (50062,)
+    decode_ports: tuple[WorkerPorts, ...] = (WorkerPorts(50063, 50064),)
+    redis_url: str | None = None
+    log_dir: Path | None = None
+    threads: int = 1
+    start_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0
+    log_level: str = "INFO"
+    # Extra `--flag value` pairs per role ("gateway", "prefill", "decode", "policy").
+    extra_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prefill_ports or not self.decode_ports:
+            raise ValueError("prefill_ports/decode_ports: a stack needs at least one of each worker")
+        ports = [self.gateway_port, self.policy_port, *self.prefill_ports,
+                 *(p for w in self.decode_ports for p in (w.grpc, w.rendezvous))]
+        if any(not 0 < p < 65536 for p in ports):
+            raise ValueError(f"ports: every port must be in (0, 65536), got {ports}")
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"ports: must be distinct, got {ports}")
+        if self.threads < 1 or self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise ValueError("threads/start_timeout_s/stop_timeout_s: must be positive")
+
+    @classmethod
+    def with_free_ports(cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, **overrides: object) -> StackConfig:
+        """A config on free loopback ports (tests, demos, benchmarks next to a running stack)."""
+        ports = _free_ports(2 + prefill + 2 * decode)
+        return cls(
+            checkpoint=checkpoint,
+            gateway_port=ports[0],
+            policy_port=ports[1],
+            prefill_ports=tuple(ports[2 : 2 + prefill]),
+            decode_ports=tuple(WorkerPorts(ports[2 + prefill + 2 * i], ports[3 + prefill + 2 * i]) for i in range(decode)),
+            **overrides,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def with_counts(
+        cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, base_port: int = 50051, **overrides: object
+    ) -> StackConfig:
+        """Ports from `base_port` (the gateway's): policy +10, prefill +11, decode +12 and its
+        rendezvous +13, the i-th extra worker of a role 10 * i higher. The default base gives
+        the documented ports 50051, 50061, 50062, 50063/50064."""
+        return cls(
+            checkpoint=checkpoint,
+            gateway_port=base_port,
+            policy_port=base_port + 10,
+            prefill_ports=tuple(base_port + 11 + 10 * i for i in range(prefill)),
+            decode_ports=tuple(WorkerPorts(base_port + 12 + 10 * i, base_port + 13 + 10 * i) for i in range(decode)),
+            **overrides,  # type: ignore[arg-type]
+        )
+
+    def address(self, port: int) -> str:
+        return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+
+    def args_for(self, role: str) -> tuple[str, ...]:
+        return next((args for name, args in self.extra_args if name == role), ())
+
+
+def check_checkpoint(path: Path) -> None:
+    """Fail fast, before any process starts, when `path` is not a servable checkpoint."""
+    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        hint = " (train it with `kvrelay train-demo`)" if path == DEMO_CHECKPOINT else ""
+        raise StackError(f"checkpoint {path} lacks {', '.join(missing)}{hint}")
+
+
+def _free_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_loopback_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+@dataclass
+class ServiceProcess:
+    """One started service: its gRPC address, process and log file."""
+
+    name: str
+    role: str
+    address: str
+    argv: tuple[str, ...]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def spawn(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Poll gRPC health until SERVING; StackError (with the log tail) if the process exits
+        or `deadline` (time.monotonic) passes."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if not self.running:
+                    raise StackError(f"{self.name} exited during start-up:\n{self.log_tail()}")
+                with contextlib.suppress(grpc.RpcError):
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                if time.monotonic() >= deadline:
+                    raise StackError(f"{self.name} not healthy at {self.address} in time:\n{self.log_tail()}")
+                time.sleep(0.1)
+
+    def terminate(self) -> None:
+        if self.running:
+            assert self.process is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """Wait for exit; after `timeout_s` SIGKILL the whole process group."""
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._kill_group()
+
+    def kill(self) -> None:
+        """SIGKILL the service and its process group (for failure tests too)."""
+        self._kill_group()
+        if self.process is not None:
+            self.process.wait(timeout=10)
+
+    def _kill_group(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _tier(role: str) -> str:
+    return "workers" if role in ("prefill", "decode") else role
+
+
+def service_command(role: str, *args: str) -> tuple[str, ...]:
+    """`kvrelay serve <role> ...` through `services.launcher.child`, which dies with this process."""
+    return (sys.executable, "-m", "services.launcher.child", str(os.getpid()), "serve", role, *args)
+
+
+class Stack:
+    """The started services of one `StackConfig`; a context manager that stops them."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvrelay-stack-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.services: list[ServiceProcess] = []
+
+    @property
+    def gateway_address(self) -> str:
+        return self.config.address(self.config.gateway_port)
+
+    @property
+    def policy_address(self) -> str:
+        return self.config.address(self.config.policy_port)
+
+    @property
+    def prefill_addresses(self) -> list[str]:
+        return [self.config.address(port) for port in self.config.prefill_ports]
+
+    @property
+    def decode_addresses(self) -> list[str]:
+        return [self.config.address(ports.grpc) for ports in self.config.decode_ports]
+
+    def service(self, name: str) -> ServiceProcess:
+        return next(s for s in self.services if s.name == name)
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
+        """Start every service in dependency order and wait until each is healthy."""
+        check_checkpoint(self.config.checkpoint)
+        deadline = time.monotonic() + self.config.start_timeout_s
+        try:
+            self._launch([self._policy()], deadline, on_ready)
+            # The gateway finds workers through health checks, so it starts with them.
+            workers = [self._prefill(i, port) for i, port in enumerate(self.config.prefill_ports)]
+            workers += [self._decode(i, ports) for i, ports in enumerate(self.config.decode_ports)]
+            self._launch([*workers, self._gateway()], deadline, on_ready)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the gateway (it drains its requests while the workers still run), then the
+        workers together, then the policy service; everything is gone when this returns."""
+        for role in ("gateway", "workers", "policy"):
+            tier = [s for s in self.services if _tier(s.role) == role]
+            for service in tier:
+                service.terminate()
+            for service in tier:
+                service.wait_stopped(self.config.stop_timeout_s)
+
+    def launch_decode(self, name: str, ports: WorkerPorts, timeout_s: float | None = None) -> ServiceProcess:
+        """One more decode worker, outside the gateway's list and owned by the caller (who
+        stops it): a spare for failure tests. Returns once it is healthy."""
+        service = self._decode_service(name, ports)
+        service.spawn(self._env())
+        try:
+            service.wait_healthy(time.monotonic() + (timeout_s or self.config.start_timeout_s))
+        except BaseException:
+            service.kill()
+            raise
+        return service
+
+    def dead(self) -> list[ServiceProcess]:
+        return [s for s in self.services if not s.running]
+
+    def _launch(self, services: Sequence[ServiceProcess], deadline: float,
+                on_ready: Callable[[ServiceProcess], None] | None) -> None:
+        env = self._env()
+        for service in services:
+            self.services.append(service)
+            service.spawn(env)
+        for service in services:
+            service.wait_healthy(deadline)
+            if on_ready is not None:
+                on_ready(service)
+
+    def _env(self) -> dict[str, str]:
+        threads = str(self.config.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "KVRELAY_TORCH_THREADS": threads, "KVRELAY_LOG_LEVEL": self.config.log_level,
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("REDIS_URL", None)
+        if self.config.redis_url:
+            env["REDIS_URL"] = self.config.redis_url
+        env.update(dict(self.config.env))
+        return env
+
+    def _service(self, name: str, role: str, port: int, args: Sequence[str]) -> ServiceProcess:
+        argv = service_command(role, *args, *self.config.args_for(role))
+        return ServiceProcess(name, role, self.config.address(port), argv, self.log_dir / f"{name}.log")
+
+    def _model_args(self) -> list[str]:
+        args = ["--checkpoint", str(self.config.checkpoint)]
+        return args + (["--dtype", self.config.dtype] if self.config.dtype else [])
+
+    def _policy(self) -> ServiceProcess:
+        args = ["--host", self.config.host, "--port", str(self.config.policy_port)]
+        return self._service("policy", "policy", self.config.policy_port, args)
+
+    def _prefill(self, index: int, port: int) -> ServiceProcess:
+        args = [*self._model_args(), "--host", self.config.host, "--port", str(port),
+                "--policy-address", self.policy_address, "--worker-id", f"prefill-{index}"]
+        return self._service(f"prefill-{index}", "prefill", port, args)
+
+    def _decode(self, index: int, ports: WorkerPorts) -> ServiceProcess:
+        return self._decode_service(f"decode-{index}", ports)
+
+    def _decode_service(self, name: str, ports: WorkerPorts) -> ServiceProcess:
+        args = [*self._model_args(), "--host", self.config.host, "--port", str(ports.grpc),
+                "--transfer-port", str(ports.rendezvous), "--policy-address", self.policy_address,
+                "--worker-id", name]
+        return self._service(name, "decode", ports.grpc, args)
+
+    def _gateway(self) -> ServiceProcess:
+        args = [*self._model_args(), "--host", self.config.host, "--port", str(self.config.gateway_port),
+                "--policy-address", self.policy_address,
+                "--prefill-workers", ",".join(self.prefill_addresses),
+                "--decode-workers", ",".join(self.decode_addresses)]
+        return self._service("gateway", "gateway", self.config.gateway_port, args)

@@ -1,0 +1,109 @@
+"""Readiness: a server reports SERVING only while every dependency it needs is usable.
+
+A service names its dependencies as `ReadinessCheck`s (the policy service: Redis answers
+PING; the workers: the policy service reports SERVING; the gateway: the policy service and
+at least one healthy worker of each role). `Readiness` evaluates them all before the server
+reports anything (so health says NOT_SERVING until the first pass succeeds), then again
+every `interval_s`, and flips the gRPC health status of "" and every hosted service on
+each transition, logging why. Probes are bounded by `timeout_s`; a probe that raises or
+times out counts as not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from grpc_health.v1 import health, health_pb2
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ReadinessCheck:
+    """One dependency: `probe()` returns None when it is usable, else why not."""
+
+    name: str
+    probe: Callable[[], Awaitable[str | None]]
+
+
+def readiness_problems(results: Sequence[tuple[str, str | None]]) -> list[str]:
+    """'name: reason' for every check that failed (pure)."""
+    return [f"{name}: {reason}" for name, reason in results if reason is not None]
+
+
+class Readiness:
+    """Keeps the health status of `services` in step with `checks`."""
+
+    def __init__(
+        self,
+        health_servicer: health.aio.HealthServicer,
+        services: Sequence[str],
+        checks: Sequence[ReadinessCheck],
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 1.0,
+    ) -> None:
+        self._health = health_servicer
+        self._services = ["", *services]
+        self._checks = list(checks)
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._task: asyncio.Task[None] | None = None
+        self.problems: list[str] | None = None  # None: not evaluated yet
+
+    @property
+    def ready(self) -> bool:
+        return self.problems == []
+
+    async def hold(self) -> None:
+        """Report NOT_SERVING until the first evaluation (before the server starts)."""
+        await self._set(NOT_SERVING)
+
+    async def evaluate(self) -> bool:
+        """Run every probe once, set the health status, return whether all passed."""
+        results = await asyncio.gather(*(self._probe(check) for check in self._checks))
+        problems = readiness_problems([(c.name, r) for c, r in zip(self._checks, results, strict=True)])
+        if problems != self.problems:
+            if problems:
+                log.warning("not ready: %s", "; ".join(problems))
+            elif self.problems is not None:
+                log.info("ready again")
+            await self._set(NOT_SERVING if problems else SERVING)
+        self.problems = problems
+        return not problems
+
+    def start(self) -> None:
+        """Re-evaluate every `interval_s` in the background (no-op without checks)."""
+        if self._checks and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="readiness")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.evaluate()
+
+    async def _probe(self, check: ReadinessCheck) -> str | None:
+        try:
+            return await asyncio.wait_for(check.probe(), self._timeout_s)
+        except TimeoutError:
+            return f"no answer within {self._timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001 - any failure of a probe means "not ready"
+            return f"{type(exc).__name__}: {exc}"
+
+    async def _set(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in self._services:
+            await self._health.set(name, status)

@@ -1,0 +1,106 @@
+"""Default manifests are registered once per tensor contract, and a client's policy choice
+resolves to a stored manifest that fits the served checkpoint (or INVALID_ARGUMENT naming it)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import pytest
+
+from policy_service.server import PolicyServer
+from services.gateway.policies import (
+    DefaultManifestConflict,
+    ManifestResolver,
+    contract_mismatch,
+    register_defaults,
+)
+from services.gateway.validation import ManifestChoice
+from services.kvpolicy.manifest import DType, TensorContract, default_manifests
+from services.policy import PolicyClient, PolicyClientConfig
+from services.rpc.errors import InvalidArgument
+
+SERVED = TensorContract(2, 4, 2, 16, DType.FLOAT32, DType.FLOAT32, q_to_kv_head_map=(0, 0, 1, 1))
+OTHER = TensorContract(3, 4, 2, 16, DType.FLOAT32, DType.FLOAT32, q_to_kv_head_map=(0, 0, 1, 1))
+
+
+@pytest.fixture
+async def client(policy_server: PolicyServer) -> AsyncIterator[PolicyClient]:
+    async with PolicyClient(PolicyClientConfig(policy_server.address, timeout_s=5.0)) as policy_client:
+        yield policy_client
+
+
+async def test_defaults_register_once_and_conflicts_name_the_policy(client: PolicyClient) -> None:
+    first = await register_defaults(client, SERVED, timeout_s=5.0)
+    assert sorted(r.ref.name for r in first) == sorted(default_manifests(SERVED))
+    assert all(r.created for r in first)
+    again = await register_defaults(client, SERVED, timeout_s=5.0)
+    assert [r.ref for r in again] == [r.ref for r in first] and not any(r.created for r in again)
+    bf16 = replace(SERVED, k_dtype=DType.BFLOAT16, v_dtype=DType.BFLOAT16)
+    with pytest.raises(DefaultManifestConflict, match="policy 'full' generation 1"):
+        await register_defaults(client, bf16, timeout_s=5.0)
+
+
+def test_contract_mismatch_names_the_field() -> None:
+    assert contract_mismatch(SERVED, SERVED) is None
+    assert contract_mismatch(replace(SERVED, q_to_kv_head_map=()), SERVED) is None  # contiguous either way
+    assert "tensor.num_layers is 3" in (contract_mismatch(OTHER, SERVED) or "")
+    bf16 = replace(SERVED, k_dtype=DType.BFLOAT16)
+    assert (contract_mismatch(bf16, SERVED) or "").startswith("tensor.k_dtype")
+
+
+async def test_resolver_by_default_name_generation_and_sha(client: PolicyClient) -> None:
+    await register_defaults(client, SERVED, timeout_s=5.0)
+    manifests = default_manifests(SERVED)
+    resolver = ManifestResolver(client, SERVED, "snapkv")
+    default = await resolver.resolve(ManifestChoice())
+    assert (default.name, default.sha256) == ("snapkv", manifests["snapkv"].sha256)
+    by_name = await resolver.resolve(ManifestChoice(name="snapkv-pyramid", policy_generation=1))
+    assert by_name.sha256 == manifests["snapkv-pyramid"].sha256
+    by_sha = await resolver.resolve(ManifestChoice(sha256=manifests["full"].sha256))
+    assert by_sha.name == "full"
+
+    newer = replace(manifests["full"], policy_generation=2, policy_manifest_id="full@2")
+    await client.register_manifest(newer.canonical_json())
+    fresh = ManifestResolver(client, SERVED, "snapkv")
+    assert (await fresh.resolve(ManifestChoice(name="full"))).sha256 == newer.sha256
+    assert (await fresh.resolve(ManifestChoice(name="full", policy_generation=1))).sha256 == manifests["full"].sha256
+
+
+async def test_name_lookups_are_cached_for_their_ttl(client: PolicyClient) -> None:
+    manifests = default_manifests(SERVED)
+    await register_defaults(client, SERVED, timeout_s=5.0)
+    now = [0.0]
+    resolver = ManifestResolver(client, SERVED, "snapkv", name_ttl_s=5.0, clock=lambda: now[0])
+    assert (await resolver.resolve(ManifestChoice(name="full"))).policy_generation == 1
+    newer = replace(manifests["full"], policy_generation=2, policy_manifest_id="full@2")
+    await client.register_manifest(newer.canonical_json())
+    assert (await resolver.resolve(ManifestChoice(name="full"))).policy_generation == 1
+    now[0] = 5.1
+    assert (await resolver.resolve(ManifestChoice(name="full"))).policy_generation == 2
+
+
+@pytest.mark.parametrize(
+    ("choice", "field", "message"),
+    [
+        (ManifestChoice(name="nope"), "manifest.by_name.name", "unknown policy 'nope'"),
+        (ManifestChoice(name="full", policy_generation=9), "manifest.by_name.policy_generation", "no generation 9"),
+        (ManifestChoice(sha256="0" * 64), "manifest.sha256", "no manifest"),
+        (ManifestChoice(name="other"), "manifest.by_name.name", "tensor.num_layers is 3"),
+    ],
+)
+async def test_unresolvable_choices_are_invalid_arguments(
+    client: PolicyClient, choice: ManifestChoice, field: str, message: str
+) -> None:
+    await register_defaults(client, SERVED, timeout_s=5.0)
+    foreign = replace(default_manifests(OTHER)["full"], name="other", policy_manifest_id="other@1")
+    await client.register_manifest(foreign.canonical_json())
+    with pytest.raises(InvalidArgument, match=message) as caught:
+        await ManifestResolver(client, SERVED, "snapkv").resolve(choice)
+    assert caught.value.field == field
+
+
+async def test_unknown_default_policy_is_reported_against_manifest(client: PolicyClient) -> None:
+    with pytest.raises(InvalidArgument, match="registered: none") as caught:
+        await ManifestResolver(client, SERVED, "snapkv").resolve(ManifestChoice())
+    assert caught.value.field == "manifest"

@@ -1,0 +1,88 @@
+"""The local stack's configuration and commands (the processes themselves run in tests/e2e)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.launcher.stack import (
+    DEMO_CHECKPOINT,
+    Stack,
+    StackConfig,
+    StackError,
+    WorkerPorts,
+    service_command,
+)
+
+
+def test_default_ports_are_the_documented_ones() -> None:
+    config = StackConfig.with_counts(Path("ckpt"), prefill=2, decode=2)
+    assert (config.gateway_port, config.policy_port) == (50051, 50061)
+    assert config.prefill_ports == (50062, 50072)
+    assert config.decode_ports == (WorkerPorts(50063, 50064), WorkerPorts(50073, 50074))
+    shifted = StackConfig.with_counts(Path("ckpt"), base_port=41000)
+    assert (shifted.gateway_port, shifted.policy_port, shifted.prefill_ports) == (41000, 41010, (41011,))
+
+
+def test_free_ports_are_distinct() -> None:
+    config = StackConfig.with_free_ports(Path("ckpt"), prefill=2, decode=3)
+    ports = [config.gateway_port, config.policy_port, *config.prefill_ports,
+             *(p for w in config.decode_ports for p in (w.grpc, w.rendezvous))]
+    assert len(set(ports)) == len(ports) == 10
+
+
+@pytest.mark.parametrize("overrides", [
+    {"prefill_ports": ()},
+    {"decode_ports": (WorkerPorts(50061, 50064),)},  # collides with the policy port
+    {"gateway_port": 0},
+    {"threads": 0},
+])
+def test_invalid_configs_name_the_field(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="ports|threads"):
+        StackConfig(checkpoint=Path("ckpt"), **overrides)  # type: ignore[arg-type]
+
+
+def test_services_are_launched_with_consistent_flags(tmp_path: Path) -> None:
+    config = StackConfig.with_counts(Path("/ckpt"), prefill=1, decode=2, dtype="bfloat16", log_dir=tmp_path,
+                                     extra_args=(("gateway", ("--max-retries", "0")),))
+    stack = Stack(config)
+    gateway = stack._gateway()
+    argv = list(gateway.argv)
+    assert argv[argv.index("--prefill-workers") + 1] == "127.0.0.1:50062"
+    assert argv[argv.index("--decode-workers") + 1] == "127.0.0.1:50063,127.0.0.1:50073"
+    assert argv[-2:] == ["--max-retries", "0"] and "--dtype" in argv
+    decode = list(stack._decode(1, config.decode_ports[1]).argv)
+    assert decode[decode.index("--transfer-port") + 1] == "50074"
+    assert decode[decode.index("--policy-address") + 1] == "127.0.0.1:50061"
+    assert gateway.log_path == tmp_path / "gateway.log"
+
+
+def test_demo_checkpoint_path_matches_the_model_runtime() -> None:
+    from services.model.train_demo import DEMO_CHECKPOINT as RUNTIME_DEMO_CHECKPOINT
+
+    assert DEMO_CHECKPOINT == RUNTIME_DEMO_CHECKPOINT
+
+
+def test_an_incomplete_checkpoint_fails_before_any_process_starts(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    stack = Stack(StackConfig.with_free_ports(tmp_path, log_dir=tmp_path / "logs"))
+    with pytest.raises(StackError, match=r"lacks tokenizer\.json, \*\.safetensors"):
+        stack.start()
+    assert stack.services == []
+
+
+def test_services_run_through_the_child_entry_point_that_dies_with_the_launcher() -> None:
+    import os
+
+    argv = service_command("decode", "--port", "1")
+    assert argv[1:6] == ("-m", "services.launcher.child", str(os.getpid()), "serve", "decode")
+
+
+def test_a_child_whose_launcher_is_gone_does_not_start() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "services.launcher.child", "1", "serve", "policy"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "launcher 1 is gone" in done.stderr
