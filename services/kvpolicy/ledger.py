@@ -8,7 +8,7 @@ transfer of a view moves exactly `traffic_bytes`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.kvpolicy.errors import PackingError
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract
@@ -27,6 +27,8 @@ class Ledger:
     unique_kv_rows: distinct (layer, K/V head, position) rows among them; smaller than
         visible_rows only when query-head owners of one K/V head retain the same position.
     query_expanded_rows: rows the query heads read if each K/V row is expanded per reader.
+    page_summary_bytes: key summaries of the omitted pages (recallable manifests only),
+        which travel with the view as metadata; 0 when omitted rows are irrecoverable.
     """
 
     bytes_per_row: int
@@ -38,6 +40,7 @@ class Ledger:
     visible_rows: int
     unique_kv_rows: int
     query_expanded_rows: int
+    page_summary_bytes: int = 0
 
     @property
     def full_payload_bytes(self) -> int:
@@ -65,11 +68,12 @@ class Ledger:
 
     @property
     def metadata_bytes(self) -> int:
-        return self.position_map_bytes + self.offsets_bytes
+        return self.position_map_bytes + self.offsets_bytes + self.page_summary_bytes
 
     @property
     def traffic_bytes(self) -> int:
-        """Bytes a transfer of the view moves: packed K/V plus position map and offsets."""
+        """Bytes a transfer of the view moves: packed K/V plus its metadata (position map,
+        offsets and, for recallable manifests, page summaries)."""
         return self.visible_payload_bytes + self.metadata_bytes
 
     @property
@@ -123,6 +127,13 @@ def ledger_for(
     """`build_ledger` with the owner kind the manifest declares."""
     owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
     return build_ledger(manifest.tensor, prompt_len, selected, owner_map)
+
+
+def with_page_summaries(ledger: Ledger, page_summary_bytes: int) -> Ledger:
+    """The ledger of a view that also carries `page_summary_bytes` of page summaries."""
+    if page_summary_bytes < 0:
+        raise PackingError("page_summary_bytes", f"must be non-negative, got {page_summary_bytes}")
+    return replace(ledger, page_summary_bytes=page_summary_bytes)
 
 
 def decode_read_rows(prompt_len: int, decode_steps: int, row_bound: int | None = None) -> int:

@@ -569,6 +569,12 @@ class RecoverabilityContract:
             value = getattr(self, name)
             if value is not None:
                 _positive(f"recoverability.{name}", value)
+        gate, threshold = self.full_recall_on_quality_gate, self.recall_threshold
+        if gate is not None and threshold is not None and gate <= threshold:
+            _fail(
+                "recoverability.full_recall_on_quality_gate",
+                f"{gate} must exceed recall_threshold {threshold} (the full-recall gate is higher)",
+            )
 
     @property
     def recallable(self) -> bool:

@@ -1,0 +1,291 @@
+"""Query-aware recall: bound what omitted pages could add to a decode step, then pick pages.
+
+This is Quest's page bound (ICML 2024) applied to omitted rows instead of resident ones.
+For a query q (post-RoPE, like the cached keys), attention scale s (1/sqrt(d_h) unless the
+model says otherwise) and a page whose keys satisfy min <= k <= max elementwise, every
+row's logit obeys
+
+    s * q.k  <=  b_p  =  s * sum_i max(q_i * min_i, q_i * max_i)  =  s * (q+ . max + q- . min)
+
+with q+ = max(q, 0) and q- = min(q, 0). Let r be the log-sum-exp of the logits of the rows
+the query does see (retained, decoded and already recalled rows) and n_p the row count of
+page p. Since x / (e^r + x) grows with x, the softmax mass the omitted rows would take is
+
+    omitted mass  <=  sum_p n_p e^{b_p} / (e^r + sum_p n_p e^{b_p})
+
+summed over the pages still omitted. Everything after the page bounds is computed in log
+space and float64; thresholds are compared as log-odds, so a threshold of 0 selects every
+page that is still omitted, however small its bound. Per owner the bound is the maximum
+over the query heads that read the owner's rows. Pure: tensors in, values out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.kvpolicy.manifest import RecoverabilityContract
+from services.offload.errors import BoundInputInvalid
+from services.offload.pages import PageRef, PageSummaries
+
+# Rounding allowance. The bound is computed in float64 (products of float32 inputs are
+# exact there) and raised by 8 (d_h + 1) float32 unit roundoffs times
+# s * sum_i |q_i| * max(|min_i|, |max_i|), plus (d_h + 2) smallest normal float32 numbers
+# for underflow, so neither the exact logit nor a float32-accumulated one exceeds it.
+_ROUNDING_UNITS_PER_DIM = 8.0
+_UNIT_ROUNDOFF = 2.0**-24
+_SMALLEST_NORMAL = 2.0**-126
+
+
+@dataclass(frozen=True)
+class RecallPolicy:
+    """The recall knobs of a recoverability contract, in the form `choose_pages` reads.
+
+    threshold: recall when an owner's omitted-mass bound exceeds it, in [0, 1).
+    max_pages_per_step: pages recalled per evaluated step at most.
+    full_recall_threshold: recall every omitted page when the bound exceeds it (optional,
+        above `threshold`). cadence_steps: evaluate every N decode steps.
+    """
+
+    threshold: float
+    max_pages_per_step: int
+    full_recall_threshold: float | None = None
+    cadence_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold < 1.0:
+            raise BoundInputInvalid("threshold", f"must be in [0, 1), got {self.threshold}")
+        if self.max_pages_per_step < 1:
+            raise BoundInputInvalid(
+                "max_pages_per_step", f"must be positive, got {self.max_pages_per_step}"
+            )
+        full = self.full_recall_threshold
+        if full is not None and not self.threshold < full < 1.0:
+            raise BoundInputInvalid(
+                "full_recall_threshold", f"must be in (threshold, 1), got {full}"
+            )
+        if self.cadence_steps < 1:
+            raise BoundInputInvalid("cadence_steps", f"must be positive, got {self.cadence_steps}")
+
+    @classmethod
+    def from_contract(cls, contract: RecoverabilityContract) -> RecallPolicy:
+        """The policy a recallable manifest declares."""
+        if (
+            not contract.recallable
+            or contract.recall_threshold is None
+            or contract.max_pages_per_step is None
+            or contract.recall_cadence_steps is None
+        ):
+            raise BoundInputInvalid("recoverability.mode", f"{contract.mode.value} recalls nothing")
+        return cls(
+            threshold=contract.recall_threshold,
+            max_pages_per_step=contract.max_pages_per_step,
+            full_recall_threshold=contract.full_recall_on_quality_gate,
+            cadence_steps=contract.recall_cadence_steps,
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether decode step `step` (0-based) evaluates the bound."""
+        return step % self.cadence_steps == 0
+
+
+@dataclass(frozen=True)
+class RecallBound:
+    """Page and omitted-mass bounds of one decode step, for every layer and query head."""
+
+    page_bound: torch.Tensor  # [P_total, H_q] float64, -inf where the head reads another owner
+    page_share: torch.Tensor  # [P_total] float64, log of the page's largest share of a head's bound
+    page_segment: torch.Tensor  # [P_total] int64, layer * H_owner + owner
+    live: torch.Tensor  # [P_total] bool, pages still omitted
+    head_log_odds: torch.Tensor  # [L, H_q] float64, log(sum_p n_p e^{b_p}) - r
+    owner_log_odds: torch.Tensor  # [L, H_owner] float64, max over the owner's reading heads
+
+    @property
+    def head_mass_bound(self) -> torch.Tensor:
+        """Bound on the omitted softmax mass per (layer, query head).  # [L, H_q] float64"""
+        return torch.sigmoid(self.head_log_odds)
+
+    @property
+    def owner_mass_bound(self) -> torch.Tensor:
+        """Per (layer, owner): the largest bound among the heads reading it.  # [L, H_owner]"""
+        return torch.sigmoid(self.owner_log_odds)
+
+    @property
+    def max_mass_bound(self) -> float:
+        return float(self.owner_mass_bound.max()) if self.owner_log_odds.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class RecallChoice:
+    """What one evaluated step recalls: flat page indices, best first."""
+
+    pages: torch.Tensor  # [n] int64
+    triggered: bool  # some owner's bound exceeded the threshold
+    full_recall: bool  # the full-recall gate fired: every omitted page is chosen
+    max_mass_bound: float
+
+    def page_refs(self, summaries: PageSummaries) -> tuple[PageRef, ...]:
+        return tuple(summaries.page_ref(int(p)) for p in self.pages)
+
+
+def page_logit_bounds(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    head_to_owner: Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """b_p for every page and every query head reading the page's owner.  # [P_total, H_q]
+
+    `query` is `[L, H_q, d_h]`; `head_to_owner[i]` is the owner whose rows query head i
+    reads (its K/V head, or i itself when owners are query heads). Entries of heads that
+    read another owner are -inf. `scale` defaults to 1/sqrt(d_h).
+    """
+    owner_of_head = _check_query(summaries, query, head_to_owner)
+    scale = _scale(scale, summaries.head_dim)
+    q = query.detach().to(device=summaries.page_min.device, dtype=torch.float64)  # [L, H_q, d_h]
+    low, high = summaries.page_min.double(), summaries.page_max.double()  # [P_total, d_h]
+    reach = torch.maximum(low.abs(), high.abs())  # [P_total, d_h]
+    relative = _ROUNDING_UNITS_PER_DIM * (summaries.head_dim + 1) * _UNIT_ROUNDOFF
+    absolute = (summaries.head_dim + 2) * _SMALLEST_NORMAL
+    page_owner = summaries.page_segment % summaries.num_owners  # [P_total]
+    out = torch.full((summaries.num_pages, q.shape[1]), -math.inf, dtype=torch.float64)
+    for layer, (start, end) in enumerate(_layer_ranges(summaries)):
+        q_pos, q_neg = q[layer].clamp(min=0), q[layer].clamp(max=0)  # [H_q, d_h]
+        raw = high[start:end] @ q_pos.T + low[start:end] @ q_neg.T  # [P_l, H_q]
+        slack = reach[start:end] @ q[layer].abs().T * relative  # [P_l, H_q]
+        reads = page_owner[start:end, None] == owner_of_head[None, :]  # [P_l, H_q]
+        bound = scale * (raw + slack) + absolute
+        out[start:end] = bound.masked_fill(~reads, -math.inf)
+    return out
+
+
+def bound_omitted_mass(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    retained_lse: torch.Tensor,
+    head_to_owner: Sequence[int],
+    *,
+    live: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> RecallBound:
+    """Page bounds and the omitted-mass bound of one decode step.
+
+    `retained_lse` `[L, H_q]` is r per layer and query head, computed with the same scale;
+    `live` `[P_total]` bool marks the pages still omitted (default: all), so recalled
+    pages stop counting once their rows are visible (and inside r).
+    """
+    page_bound = page_logit_bounds(summaries, query, head_to_owner, scale)  # [P_total, H_q]
+    r = _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))  # [L, H_q]
+    alive = _check_live(live, summaries.num_pages)  # [P_total]
+    log_count = summaries.page_count.double().log()  # [P_total]
+    terms = (page_bound + log_count[:, None]).masked_fill(~alive[:, None], -math.inf)
+    log_mass = torch.stack(
+        [torch.logsumexp(terms[start:end], dim=0) for start, end in _layer_ranges(summaries)]
+    )  # [L, H_q]
+    log_odds = torch.where(log_mass == -math.inf, -math.inf, log_mass - r)  # [L, H_q]
+    denominator = torch.logaddexp(r, log_mass)  # [L, H_q], log(e^r + sum_p n_p e^{b_p})
+    layer_of_page = summaries.page_segment // summaries.num_owners  # [P_total]
+    share = torch.where(terms == -math.inf, -math.inf, terms - denominator[layer_of_page])
+    return RecallBound(
+        page_bound=page_bound,
+        page_share=share.amax(dim=1),
+        page_segment=summaries.page_segment,
+        live=alive,
+        head_log_odds=log_odds,
+        owner_log_odds=_per_owner(log_odds, head_to_owner, summaries.num_owners),
+    )
+
+
+def choose_pages(bound: RecallBound, policy: RecallPolicy) -> RecallChoice:
+    """Pages to recall this step.
+
+    Full recall when the largest owner bound exceeds `full_recall_threshold`: every page
+    still omitted. Otherwise, when some owner's bound exceeds `threshold`, the pages of
+    those owners with the largest `page_share`, at most `max_pages_per_step` (ties: the
+    lower page index first). Nothing when no bound exceeds the threshold.
+    """
+    live = bound.live  # [P_total]
+    worst = bound.max_mass_bound
+    top = float(bound.owner_log_odds.max()) if bound.owner_log_odds.numel() else -math.inf
+    full = policy.full_recall_threshold
+    if full is not None and top > _logit(full):
+        pages = torch.nonzero(live)[:, 0]
+        return RecallChoice(pages=pages, triggered=True, full_recall=True, max_mass_bound=worst)
+    hot = (bound.owner_log_odds > _logit(policy.threshold)).flatten()  # [L * H_owner]
+    candidate = live & hot[bound.page_segment]  # [P_total]
+    ranked = bound.page_share.masked_fill(~candidate, -math.inf)
+    order = torch.sort(ranked, descending=True, stable=True).indices
+    take = min(policy.max_pages_per_step, int(candidate.sum()))
+    return RecallChoice(
+        pages=order[:take], triggered=bool(hot.any()), full_recall=False, max_mass_bound=worst
+    )
+
+
+def _layer_ranges(summaries: PageSummaries) -> list[tuple[int, int]]:
+    offsets = summaries.page_offsets
+    return [(int(row[0]), int(row[-1])) for row in offsets]
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    value = head_dim**-0.5 if scale is None else float(scale)
+    if not math.isfinite(value) or value <= 0:
+        raise BoundInputInvalid("scale", f"must be a positive finite number, got {scale}")
+    return value
+
+
+def _check_query(
+    summaries: PageSummaries, query: torch.Tensor, head_to_owner: Sequence[int]
+) -> torch.Tensor:
+    expected = (summaries.num_layers, len(head_to_owner), summaries.head_dim)
+    if tuple(query.shape) != expected:
+        raise BoundInputInvalid(
+            "query", f"shape {tuple(query.shape)}, expected [L, H_q, d_h] = {expected}"
+        )
+    if not query.dtype.is_floating_point or not bool(torch.isfinite(query).all()):
+        raise BoundInputInvalid("query", "must hold finite floating-point values")
+    owners = summaries.num_owners
+    if any(
+        isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < owners for o in head_to_owner
+    ):
+        raise BoundInputInvalid("head_to_owner", f"every entry must be an owner in [0, {owners})")
+    unread = sorted(set(range(owners)) - set(head_to_owner))
+    if unread:
+        raise BoundInputInvalid("head_to_owner", f"owners {unread} are read by no query head")
+    return torch.tensor(list(head_to_owner), dtype=torch.long)
+
+
+def _check_lse(retained_lse: torch.Tensor, num_layers: int, num_heads: int) -> torch.Tensor:
+    if tuple(retained_lse.shape) != (num_layers, num_heads):
+        raise BoundInputInvalid(
+            "retained_lse",
+            f"shape {tuple(retained_lse.shape)}, expected [{num_layers}, {num_heads}]",
+        )
+    r = retained_lse.detach().double().cpu()
+    if bool(torch.isnan(r).any()) or bool((r == math.inf).any()):
+        raise BoundInputInvalid("retained_lse", "must be finite or -inf (no visible row)")
+    return r
+
+
+def _check_live(live: torch.Tensor | None, num_pages: int) -> torch.Tensor:
+    if live is None:
+        return torch.ones(num_pages, dtype=torch.bool)
+    if live.dtype != torch.bool or tuple(live.shape) != (num_pages,):
+        raise BoundInputInvalid(
+            "live", f"expected [{num_pages}] bool, got {tuple(live.shape)} {live.dtype}"
+        )
+    return live.cpu()
+
+
+def _per_owner(log_odds: torch.Tensor, head_to_owner: Sequence[int], owners: int) -> torch.Tensor:
+    index = torch.tensor(list(head_to_owner), dtype=torch.long).expand_as(log_odds)
+    empty = torch.full((log_odds.shape[0], owners), -math.inf, dtype=log_odds.dtype)
+    return empty.scatter_reduce(1, index, log_odds, "amax", include_self=True)
+
+
+def _logit(probability: float) -> float:
+    if probability <= 0.0:
+        return -math.inf
+    return math.log(probability) - math.log1p(-probability)
