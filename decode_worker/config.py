@@ -22,9 +22,11 @@ class SchedulerConfig:
     kv_budget_bytes: int = 2 * GIB
     # Rows per (layer, owner) the decode cache starts with; it grows geometrically.
     initial_row_capacity: int = 256
+    # Decode steps of one request per `decode.step` span (bounds trace volume per token).
+    trace_steps_per_span: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "kv_budget_bytes", "initial_row_capacity"):
+        for name in ("max_batch", "kv_budget_bytes", "initial_row_capacity", "trace_steps_per_span"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")

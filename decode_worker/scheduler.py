@@ -13,6 +13,10 @@ token to its request's sink → release finished requests. The first output toke
 by the prefill worker; the loop feeds it and emits tokens 1, 2, ... . Every step appends one
 row to every owner of a request, so its cache generation advances by one per step.
 
+Each request's steps are traced in its own trace (`DecodeRequest.trace_parent`, the prefill
+worker's transfer.send) as `decode.step` spans of up to `trace_steps_per_span` steps each:
+trace volume grows with steps / N, not with every token of every request in the batch.
+
 Memory is governed by the `KVBudget`: a transfer is accepted only if its reservation (the
 view's rows plus the rows its decode can append, `reservation_bytes`) fits, and the bytes
 return when the request finishes, fails or is cancelled. Sinks are called from the loop
@@ -31,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from decode_worker.config import SchedulerConfig
 from decode_worker.errors import CapacityExhausted
@@ -44,7 +50,8 @@ from services.model import (
     sample,
 )
 from services.model.errors import ModelError
-from services.telemetry.spans import span
+from services.telemetry import metrics
+from services.telemetry.spans import start_span
 from services.transfer import ViewLayout
 
 log = logging.getLogger(__name__)
@@ -164,6 +171,7 @@ class DecodeRequest:
     reservation: Reservation
     sink: EventSink
     owner_to_kv_head: OwnerMap = None
+    trace_parent: Context | None = None
 
 
 @dataclass
@@ -176,6 +184,8 @@ class _Running:
     cache_generation: int
     admitted_at: float
     last_token_at: float
+    step_span: trace.Span | None = None
+    span_steps: int = 0
 
 
 class DecodeScheduler:
@@ -202,6 +212,12 @@ class DecodeScheduler:
         """Requests admitted to the cache or waiting for room."""
         with self._cond:
             return len(self._running) + len(self._pending)
+
+    @property
+    def waiting(self) -> int:
+        """Verified requests not yet admitted to the batch."""
+        with self._cond:
+            return len(self._pending)
 
     def start(self) -> None:
         self._thread.start()
@@ -284,13 +300,39 @@ class DecodeScheduler:
         batch = [self._running[request_id] for request_id in cache.request_ids]
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         self.steps += 1
-        with span("decode.step", batch_size=len(batch)):
-            logits = decode_step(self.loaded.model, cache, [r.last_token for r in batch])  # [B, V]
-            tokens = sample(logits, [r.request.sampling for r in batch], [r.generated for r in batch])  # [B]
-            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]  # [B]
+        metrics.DECODE_BATCH.observe(len(batch))
+        for running in batch:
+            self._trace_step(running, len(batch))
+        logits = decode_step(self.loaded.model, cache, [r.last_token for r in batch])  # [B, V]
+        tokens = sample(logits, [r.request.sampling for r in batch], [r.generated for r in batch])  # [B]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]  # [B]
+        metrics.DECODE_TOKENS.inc(len(batch))
         now = time.monotonic()
         for running, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
             self._advance(running, int(token), float(logprob), now)
+            if running.span_steps >= self.config.trace_steps_per_span:
+                self._end_step_span(running)
+
+    def _trace_step(self, running: _Running, batch_size: int) -> None:
+        """Count a step into the request's open decode.step span, opening one if needed."""
+        if running.step_span is None:
+            running.step_span = start_span(
+                "decode.step", running.request.trace_parent, request_key=running.request.request_id,
+                first_index=running.generated, batch_size=batch_size,
+            )
+        running.span_steps += 1
+
+    def _end_step_span(self, running: _Running, finish_reason: str | None = None, error: str | None = None) -> None:
+        step_span, running.step_span = running.step_span, None
+        if step_span is not None:
+            step_span.set_attributes({"steps": running.span_steps, "last_index": running.generated - 1,
+                                      "cache_generation": running.cache_generation})
+            if finish_reason is not None:
+                step_span.set_attribute("finish_reason", finish_reason)
+            if error is not None:
+                step_span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            step_span.end()
+        running.span_steps = 0
 
     def _advance(self, running: _Running, token: int, logprob: float, now: float) -> None:
         request = running.request
@@ -305,6 +347,9 @@ class DecodeScheduler:
     def _finish(self, running: _Running, reason: str) -> None:
         decoded = running.generated - 1
         tpot_ms = 1000.0 * (running.last_token_at - running.admitted_at) / decoded if decoded else 0.0
+        if decoded:
+            metrics.DECODE_TPOT.observe(tpot_ms / 1000.0)
+        self._end_step_span(running, finish_reason=reason)
         self._drop(running.request.request_id)
         self._release(running.request, DecodeFinished(reason, running.generated, running.cache_generation, tpot_ms))
 
@@ -316,6 +361,7 @@ class DecodeScheduler:
     def _fail(self, request_id: str, message: str) -> None:
         running = self._running.get(request_id)
         if running is not None:
+            self._end_step_span(running, error=message)
             self._drop(request_id)
             self._release(running.request, DecodeFailed(message))
 

@@ -2,7 +2,8 @@
 
 `DecodeWorker.start(config)` loads the checkpoint, opens the TCPStore rendezvous on the
 transfer port (`config.transfer.store_port`; every pair group with a prefill worker meets
-there), starts the decode loop thread and the gRPC server (health and reflection included).
+there), starts the decode loop thread and the gRPC server (health and reflection included;
+SERVING while the policy service is).
 `stop()` drains gRPC, releases every open transfer, stops the loop and closes the pair
 groups. `serve(config)` runs until SIGINT/SIGTERM (what `kvrelay serve decode` calls).
 """
@@ -23,7 +24,9 @@ from decode_worker.service import SERVICE_NAME, DecodeServicer
 from services.model import LoadedModel, load
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.kvrelay.v1 import decode_pb2_grpc
+from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServiceBinding, start_server
+from services.telemetry import metrics
 from services.transfer import KVReceiver
 
 log = logging.getLogger(__name__)
@@ -70,8 +73,11 @@ class DecodeWorker:
         binding = ServiceBinding(
             SERVICE_NAME, lambda server: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         )
+        metrics.DECODE_ACTIVE.set_function(lambda: scheduler.active)
+        metrics.DECODE_WAITING.set_function(lambda: scheduler.waiting)
+        metrics.DECODE_KV_RESERVED.set_function(lambda: scheduler.budget.used_bytes)
         try:
-            rpc = await start_server(config.server, [binding])
+            rpc = await start_server(config.server, [binding], [ReadinessCheck("policy", policy.check_serving)])
         except BaseException:
             await _shut(servicer, executor)
             raise

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.context import Context
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.errors import (
@@ -64,6 +65,7 @@ from services.model.sampler import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from services.policy import Fence, NotFound, PolicyClient, PolicyError
 from services.rpc.errors import ServiceError, maps_errors, reject_unknown_fields
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.telemetry import metrics
 from services.telemetry.spans import extract_context, span
 from services.transfer import (
     Deadline,
@@ -103,6 +105,7 @@ class _Transfer:
         self.verified = asyncio.Event()
         self.error: ServiceError | None = None
         self.receipt: Receipt | None = None
+        self.trace_parent: Context | None = None
         self.bytes_moved = 0
         self.stream_open = False
         self.submitted = False
@@ -247,18 +250,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             raise
 
     async def _receive(self, record: _Transfer) -> None:
-        descriptor = record.incoming.descriptor
-        parent = extract_context(descriptor.trace_carrier())
+        # The descriptor carries the prefill worker's transfer.send context: every span of
+        # this request on this worker (receive, verify, decode step batches) is its child.
+        parent = extract_context(record.incoming.descriptor.trace_carrier())
+        record.trace_parent = parent
         attributes = _attributes(record)
         try:
-            with span("transfer.recv", parent, **attributes, bytes=record.incoming.nbytes):
+            with span("transfer.recv", parent, **attributes, bytes=record.incoming.nbytes) as current:
                 assert record.recv is not None
-                view = await self._in_thread(record.recv.wait_for_view, record.deadline)
-            record.bytes_moved = record.recv.bytes_moved
+                with metrics.timed(metrics.TRANSFER_SECONDS.labels("recv")):
+                    view = await self._in_thread(record.recv.wait_for_view, record.deadline)
+                record.bytes_moved = record.recv.bytes_moved
+                current.set_attribute("bytes_moved", record.bytes_moved)
+            metrics.TRANSFER_BYTES.labels("recv").inc(record.bytes_moved)
             with span("kv.verify", parent, **attributes) as current:
                 manifest = await self._manifest(record.incoming.receipt.manifest_sha256)
+                current.set_attribute("manifest_name", manifest.name)
                 record.receipt = await self._verify(record, manifest, view)
-                current.set_attribute("retained_rows", view.total_rows)
+                current.set_attributes({"retained_rows": view.total_rows, "receipt_digest": record.receipt.digest})
+                log.info("transfer %s verified: %d rows, %d bytes from %s", record.key, view.total_rows,
+                         record.bytes_moved, record.incoming.descriptor.source_worker)
         except TransferError as exc:
             self._reject(record, TransferFailed(f"receive failed: {exc.reason}", field="transfer"))
         except ServiceError as exc:
@@ -322,6 +333,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     reservation=record.reservation,
                     sink=asyncio_sink(asyncio.get_running_loop(), record.events),
                     owner_to_kv_head=owner_map,
+                    trace_parent=record.trace_parent,
                 )
             )
             record.submitted = True
@@ -334,6 +346,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if record.recv is not None:
             record.recv.cancel(str(error))
         self.rejections[f"{type(error).__name__}:{error.field}"] += 1
+        metrics.DECODE_REJECTED.labels(type(error).__name__).inc()
+        if isinstance(error, StaleTransfer):
+            metrics.STALE_REJECTIONS.labels("decode").inc()
         log.warning("transfer %s rejected: %s: %s", record.key, type(error).__name__, error)
 
     async def _expire_lease(self, record: _Transfer) -> None:
@@ -355,6 +370,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 field="transfer_id",
             )
         if request.request_generation != record.incoming.receipt.request_generation:
+            metrics.STALE_REJECTIONS.labels("decode").inc()
             raise StaleTransfer(
                 f"transfer carries request generation {record.incoming.receipt.request_generation}",
                 field="request_generation",
@@ -465,6 +481,8 @@ def _attributes(record: _Transfer) -> dict[str, object]:
         "request_id": claim.request_id,
         "request_generation": claim.request_generation,
         "state_generation": claim.state_generation,
+        "cache_generation": claim.cache_generation,
         "manifest_sha256": claim.manifest_sha256,
         "transfer_id": record.transfer_id,
+        "source_worker": record.incoming.descriptor.source_worker,
     }

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -22,6 +23,7 @@ from policy_service.service import SERVICE_NAME, PolicyServicer
 from policy_service.store import KeySchema, PolicyStore
 from services.redis_embedded import EmbeddedRedis, EmbeddedRedisConfig
 from services.rpc.kvrelay.v1 import policy_pb2_grpc
+from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServiceBinding, start_server
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,19 @@ async def check_redis(client: Redis, url: str) -> None:
         raise PolicyStartupError(f"redis at {where} is {info['redis_version']}; kvrelay needs >= 6.2")
 
 
+def redis_probe(client: Redis, url: str) -> Callable[[], Awaitable[str | None]]:
+    """Readiness probe: None while Redis answers PING."""
+
+    async def probe() -> str | None:
+        try:
+            await client.ping()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            return f"redis at {redact_url(url)} is unreachable: {exc}"
+        return None
+
+    return probe
+
+
 class PolicyServer:
     """A running policy service."""
 
@@ -102,7 +117,7 @@ class PolicyServer:
             binding = ServiceBinding(
                 SERVICE_NAME, lambda server: policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server)
             )
-            rpc = await start_server(config.server, [binding])
+            rpc = await start_server(config.server, [binding], [ReadinessCheck("redis", redis_probe(client, url))])
         except BaseException:
             await client.aclose(close_connection_pool=True)
             if embedded is not None:

@@ -7,13 +7,16 @@ method, and converts the result once. Errors become status codes in `services.rp
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import grpc
 
 from policy_service.config import PolicyServiceConfig
 from policy_service.store import PolicyStore
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import wire
-from services.policy.errors import ManifestInvalid
+from services.policy.errors import ManifestInvalid, StaleGeneration
 from services.policy.types import (
     ManifestRef,
     check_generation,
@@ -23,6 +26,8 @@ from services.policy.types import (
 )
 from services.rpc.errors import maps_errors, reject_unknown_fields
 from services.rpc.kvrelay.v1 import policy_pb2, policy_pb2_grpc
+from services.telemetry.metrics import STALE_REJECTIONS
+from services.telemetry.spans import annotate
 
 SERVICE_NAME = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
 
@@ -61,6 +66,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         reject_unknown_fields(request)
         manifest = parse_manifest(request.manifest_json, self.config.max_manifest_bytes)
         ref = ManifestRef(manifest.sha256, manifest.name, manifest.policy_generation)
+        annotate(manifest_sha256=ref.sha256, manifest_name=ref.name, policy_generation=ref.policy_generation)
         registration = await self.store.register_manifest(ref, manifest.canonical_json())
         return policy_pb2.RegisterManifestResponse(ref=wire.ref_to_proto(ref), created=registration.created)
 
@@ -90,6 +96,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         reject_unknown_fields(request)
         check_request_id(request.request_id)
         fence = await self.store.begin_request(request.request_id, self._lease(request.lease_ms))
+        annotate(request_id=fence.request_id, request_generation=fence.request_generation)
         return policy_pb2.BeginRequestResponse(fence=wire.fence_to_proto(fence))
 
     @maps_errors
@@ -98,7 +105,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.PublishStateResponse:
         reject_unknown_fields(request)
         publication = wire.publication_from_proto(request)
-        result = await self.store.publish_state(publication, self._lease(request.lease_ms))
+        annotate(request_id=publication.request_id, request_generation=publication.request_generation,
+                 state_generation=publication.state_generation, cache_generation=publication.cache_generation,
+                 manifest_sha256=publication.manifest_sha256, phase=publication.phase.name)
+        with _counting_stale():
+            result = await self.store.publish_state(publication, self._lease(request.lease_ms))
+        annotate(already_published=result.already_published)
         return policy_pb2.PublishStateResponse(
             fence=wire.fence_to_proto(result.fence), already_published=result.already_published
         )
@@ -119,7 +131,19 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         reject_unknown_fields(request)
         check_request_id(request.request_id)
         check_generation(request.request_generation, "request_generation", minimum=1)
-        fence = await self.store.end_request(
-            request.request_id, request.request_generation, self.config.end_retention_ms
-        )
+        annotate(request_id=request.request_id, request_generation=request.request_generation)
+        with _counting_stale():
+            fence = await self.store.end_request(
+                request.request_id, request.request_generation, self.config.end_retention_ms
+            )
         return policy_pb2.EndRequestResponse(fence=wire.fence_to_proto(fence))
+
+
+@contextlib.contextmanager
+def _counting_stale() -> Iterator[None]:
+    """Count a StaleGeneration (the fence refused older work) on its way to the edge."""
+    try:
+        yield
+    except StaleGeneration:
+        STALE_REJECTIONS.labels("policy").inc()
+        raise

@@ -28,6 +28,7 @@ from prefill_worker.wire import PrefillCall, ledger_to_proto, receipt_to_proto, 
 from services.kvpolicy.packing import PackedKVView
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.telemetry import metrics
 from services.telemetry.spans import inject_context
 from services.transfer import (
     Deadline,
@@ -123,12 +124,14 @@ class DecodeHandoff:
         descriptor = self._descriptor(key, packed, lease)
         transfer = self.sender.start_send(descriptor, lease, deadline)
         try:
-            message = _message(descriptor, call, first_token, packed, deadline)
-            reply = await self._accept(call, message, deadline)
-            moved = await asyncio.to_thread(send_layers, transfer, packed.view, deadline)
+            with metrics.timed(metrics.TRANSFER_SECONDS.labels("send")):
+                message = _message(descriptor, call, first_token, packed, deadline)
+                reply = await self._accept(call, message, deadline)
+                moved = await asyncio.to_thread(send_layers, transfer, packed.view, deadline)
         except BaseException as exc:
             transfer.cancel(f"handoff failed: {_describe(exc)}")
             raise
+        metrics.TRANSFER_BYTES.labels("send").inc(moved)
         if moved != packed.ledger.traffic_bytes:
             raise Refused(f"moved {moved} bytes, the ledger says {packed.ledger.traffic_bytes}")
         return Handoff(message, moved, reply.reserved_bytes, reply.decode_worker or call.decode.worker_id)

@@ -10,6 +10,7 @@ Each stage is one call and one span (DESIGN §8 names them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -31,7 +32,8 @@ from services.kvpolicy.state import KVPolicyState, PositionGrid
 from services.kvpolicy.static import static_protected_positions, static_selection
 from services.model import LoadedModel, PrefillOptions, PrefillResult, sample
 from services.model import prefill as model_prefill
-from services.policy import Fence, Phase, PolicyClient, StatePublication
+from services.policy import Fence, Phase, PolicyClient, StaleGeneration, StatePublication
+from services.telemetry import metrics
 from services.telemetry.spans import span
 from services.transfer import Deadline
 
@@ -183,7 +185,49 @@ async def publish(policy: PolicyClient, job: PrefillJob, packed: Packed, worker_
         prefill_worker=worker_id,
         decode_worker=job.call.decode.worker_id,
     )
-    return (await policy.publish_state(publication)).fence
+    try:
+        return (await policy.publish_state(publication)).fence
+    except StaleGeneration:
+        metrics.STALE_REJECTIONS.labels("prefill").inc()
+        raise
+
+
+def state_attributes(job: PrefillJob, packed: Packed) -> dict[str, object]:
+    """Span attributes of the published state: generations, manifest, receipt, rows."""
+    state, ledger = packed.state, packed.ledger
+    return {
+        "request_id": state.request_id,
+        "request_generation": state.request_generation,
+        "state_generation": state.state_generation,
+        "parent_state_generation": state.parent_state_generation,
+        "cache_generation": state.cache_generation,
+        "manifest_sha256": state.manifest_sha256,
+        "manifest_name": job.manifest.name,
+        "receipt_digest": packed.receipt.digest,
+        "retained_rows": ledger.visible_rows,
+        "omitted_rows": ledger.omitted_rows,
+        "retained_bytes": ledger.visible_payload_bytes,
+        "omitted_bytes": ledger.omitted_payload_bytes,
+    }
+
+
+def send_attributes(job: PrefillJob, packed: Packed) -> dict[str, object]:
+    """Span attributes of the send stage (the bytes it must move, by the ledger)."""
+    return {
+        "request_id": job.call.request_id,
+        "request_generation": job.call.request_generation,
+        "state_generation": packed.state.state_generation,
+        "decode_worker": job.call.decode.worker_id,
+        "bytes": packed.ledger.traffic_bytes,
+    }
+
+
+def count_rows(policy: str, ledger: Ledger) -> None:
+    """Retained and omitted rows and payload bytes, per policy name."""
+    metrics.KV_ROWS.labels(policy, "retained").inc(ledger.visible_rows)
+    metrics.KV_ROWS.labels(policy, "omitted").inc(ledger.omitted_rows)
+    metrics.KV_BYTES.labels(policy, "retained").inc(ledger.visible_payload_bytes)
+    metrics.KV_BYTES.labels(policy, "omitted").inc(ledger.omitted_payload_bytes)
 
 
 class Sender(Protocol):
@@ -225,12 +269,13 @@ class PrefillPipeline:
         budgets = await self._blocking("kv.allocate", allocate, manifest, fwd.prompt_len, scores)
         selection = await self._blocking("kv.select", select, manifest, fwd.prompt_len, scores, budgets)
         packed = await self._blocking("kv.pack", pack, job, fwd, selection)
-        ledger = packed.ledger
-        with span("policy.publish", receipt_digest=packed.receipt.digest, retained_rows=ledger.visible_rows,
-                  omitted_rows=ledger.omitted_rows):
+        count_rows(manifest.name, packed.ledger)
+        with span("policy.publish", **state_attributes(job, packed)), self._timed("policy.publish"):
             fence = await publish(self._policy, job, packed, self._worker_id)
-        with span("transfer.send", bytes=ledger.traffic_bytes, decode_worker=job.call.decode.worker_id):
+        with span("transfer.send", **send_attributes(job, packed)) as current, self._timed("transfer.send"):
             handoff = await self._sender.send(job.call, fwd.first_token, packed, self._send_deadline(call_deadline))
+            current.set_attributes({"bytes_moved": handoff.bytes_moved, "reserved_bytes": handoff.reserved_bytes,
+                                    "transfer_id": handoff.descriptor.transfer_id})
         elapsed_ms = (time.perf_counter() - started) * 1000
         return PrefillOutcome(packed, fwd.first_token, handoff, fence, elapsed_ms)
 
@@ -238,9 +283,13 @@ class PrefillPipeline:
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     async def _blocking(self, name: str, stage: Callable[..., Result], *args: object) -> Result:
-        with span(name):
+        with span(name), self._timed(name):
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._compute, functools.partial(stage, *args))
+
+    @staticmethod
+    def _timed(stage: str) -> contextlib.AbstractContextManager[None]:
+        return metrics.timed(metrics.PREFILL_STAGE.labels(stage))
 
     def _send_deadline(self, call_deadline: Deadline | None) -> Deadline:
         budget = self._transfer_timeout_s

@@ -1,8 +1,8 @@
 """Lifecycle of one prefill worker process: model, policy client, pair-group sender, gRPC server.
 
-`PrefillServer.start(config)` returns a serving instance; `stop()` drains gRPC, then closes
-pair groups, channels and compute threads. `serve(config)` runs until SIGINT/SIGTERM (what
-`kvrelay serve prefill` calls).
+`PrefillServer.start(config)` returns a serving instance (health SERVING while the policy
+service is); `stop()` drains gRPC, then closes pair groups, channels and compute threads.
+`serve(config)` runs until SIGINT/SIGTERM (what `kvrelay serve prefill` calls).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from prefill_worker.wire import RequestLimits
 from services.model import LoadedModel, load
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.kvrelay.v1 import prefill_pb2_grpc
+from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServiceBinding, start_server
+from services.telemetry import metrics
 from services.transfer import KVSender
 
 log = logging.getLogger(__name__)
@@ -87,8 +89,10 @@ class PrefillServer:
         binding = ServiceBinding(
             SERVICE_NAME, lambda server: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         )
+        metrics.PREFILL_IN_FLIGHT.set_function(lambda: admission.in_flight)
+        metrics.PREFILL_QUEUE_DEPTH.set_function(lambda: admission.queued)
         try:
-            rpc = await start_server(config.server, [binding])
+            rpc = await start_server(config.server, [binding], [ReadinessCheck("policy", policy.check_serving)])
         except BaseException:
             await _close(pipeline, handoff, policy)
             raise

@@ -3,6 +3,8 @@ run the pipeline, answer. Typed errors become status codes in `@maps_errors`."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from prefill_worker.admission import Admission
@@ -16,9 +18,10 @@ from prefill_worker.wire import (
 )
 from services.rpc.errors import maps_errors
 from services.rpc.kvrelay.v1 import prefill_pb2, prefill_pb2_grpc
-from services.telemetry.spans import extract_context, span
+from services.telemetry.spans import annotate, extract_context, span
 from services.transfer import Deadline
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 
 
@@ -49,8 +52,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                   manifest_sha256=call.manifest_sha256, prompt_tokens=call.prompt_tokens,
                   decode_worker=call.decode.worker_id, prefill_worker=self._worker_id):
             job = PrefillJob(call, await self._manifests.get(call.manifest_sha256))
+            annotate(manifest_name=job.manifest.name)
             async with self._admission.slot():
                 outcome = await self._pipeline.run(job, _call_deadline(context))
+            ledger = outcome.packed.ledger
+            log.info("request %s@r%d prefilled under %s: %d of %d rows retained, %d bytes to %s",
+                     call.request_id, call.request_generation, job.manifest.name, ledger.visible_rows,
+                     ledger.full_rows, outcome.handoff.bytes_moved, outcome.handoff.decode_worker)
         return self._response(outcome)
 
     def _response(self, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:

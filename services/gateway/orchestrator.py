@@ -40,6 +40,7 @@ from services.rpc.kvrelay.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from services.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class Orchestrator:
                         raise failure.error from failure
                     log.warning("request %s (g_r %d) failed before its first token, retrying: %s",
                                 request.request_id, generation, failure)
+                    metrics.GATEWAY_RETRIES.inc()
                     avoid_prefill |= {failure.prefill} - {""}
                     avoid_decode |= {failure.decode} - {""}
         finally:

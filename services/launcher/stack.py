@@ -68,6 +68,10 @@ class StackConfig:
     # Extra `--flag value` pairs per role ("gateway", "prefill", "decode", "policy").
     extra_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    # Each service's Prometheus `--metrics-port` from this base: gateway +0, policy +1, the i-th
+    # prefill worker +2 + 10 i, the i-th decode worker +3 + 10 i (9091 gives the documented
+    # 9091-9094). 0 turns metrics off; None leaves each service its own default.
+    metrics_base_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill_ports or not self.decode_ports:
@@ -80,6 +84,11 @@ class StackConfig:
             raise ValueError(f"ports: must be distinct, got {ports}")
         if self.threads < 1 or self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("threads/start_timeout_s/stop_timeout_s: must be positive")
+        if self.metrics_base_port:
+            metrics = [self.metrics_port(role, i) for role, count in (("gateway", 1), ("policy", 1),
+                       ("prefill", len(self.prefill_ports)), ("decode", len(self.decode_ports))) for i in range(count)]
+            if max(m or 0 for m in metrics) > 65535 or set(metrics) & set(ports):
+                raise ValueError(f"metrics_base_port: {self.metrics_base_port} gives ports out of range or in use")
 
     @classmethod
     def with_free_ports(cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, **overrides: object) -> StackConfig:
@@ -115,6 +124,13 @@ class StackConfig:
 
     def args_for(self, role: str) -> tuple[str, ...]:
         return next((args for name, args in self.extra_args if name == role), ())
+
+    def metrics_port(self, role: str, index: int = 0) -> int | None:
+        """The `--metrics-port` of the `index`-th service of `role` (None: its own default)."""
+        if not self.metrics_base_port:
+            return self.metrics_base_port
+        offset = {"gateway": 0, "policy": 1, "prefill": 2, "decode": 3}[role]
+        return self.metrics_base_port + offset + 10 * index
 
 
 def check_checkpoint(path: Path) -> None:
@@ -316,9 +332,16 @@ class Stack:
         env.update(dict(self.config.env))
         return env
 
-    def _service(self, name: str, role: str, port: int, args: Sequence[str]) -> ServiceProcess:
-        argv = service_command(role, *args, *self.config.args_for(role))
+    def _service(self, name: str, role: str, port: int, args: Sequence[str], index: int | None = 0) -> ServiceProcess:
+        argv = service_command(role, *args, *self._metrics_args(role, index), *self.config.args_for(role))
         return ServiceProcess(name, role, self.config.address(port), argv, self.log_dir / f"{name}.log")
+
+    def _metrics_args(self, role: str, index: int | None) -> list[str]:
+        """`--metrics-port` when the stack numbers metrics ports; a spare (`index` None) gets 0 (off)."""
+        if self.config.metrics_base_port is None:
+            return []
+        port = 0 if index is None else self.config.metrics_port(role, index)
+        return ["--metrics-port", str(port)]
 
     def _model_args(self) -> list[str]:
         args = ["--checkpoint", str(self.config.checkpoint)]
@@ -331,16 +354,16 @@ class Stack:
     def _prefill(self, index: int, port: int) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(port),
                 "--policy-address", self.policy_address, "--worker-id", f"prefill-{index}"]
-        return self._service(f"prefill-{index}", "prefill", port, args)
+        return self._service(f"prefill-{index}", "prefill", port, args, index)
 
     def _decode(self, index: int, ports: WorkerPorts) -> ServiceProcess:
-        return self._decode_service(f"decode-{index}", ports)
+        return self._decode_service(f"decode-{index}", ports, index)
 
-    def _decode_service(self, name: str, ports: WorkerPorts) -> ServiceProcess:
+    def _decode_service(self, name: str, ports: WorkerPorts, index: int | None = None) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(ports.grpc),
                 "--transfer-port", str(ports.rendezvous), "--policy-address", self.policy_address,
                 "--worker-id", name]
-        return self._service(name, "decode", ports.grpc, args)
+        return self._service(name, "decode", ports.grpc, args, index)
 
     def _gateway(self) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(self.config.gateway_port),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.policy import wire
 from services.policy.errors import (
@@ -43,6 +44,7 @@ from services.rpc.kvrelay.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 Response = TypeVar("Response")
+POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,21 @@ class PolicyClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def check_serving(self, *, timeout_s: float | None = None) -> str | None:
+        """None if the policy service reports SERVING (its Redis is reachable), else why not:
+        a readiness probe for the services that depend on it (one attempt, no retries)."""
+        request = health_pb2.HealthCheckRequest(service=POLICY_SERVICE)
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channel).Check(
+                request, timeout=timeout_s or self.config.timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            return f"policy service at {self.config.target}: {exc.code().name}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            return f"policy service at {self.config.target} reports {status}"
+        return None
 
     async def register_manifest(self, manifest_json: str | bytes, *, timeout_s: float | None = None) -> Registration:
         data = manifest_json.encode("utf-8") if isinstance(manifest_json, str) else manifest_json

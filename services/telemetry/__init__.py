@@ -1,1 +1,3 @@
-"""Tracing (OpenTelemetry) helpers shared by every service."""
+"""Observability shared by every service: spans (`spans`), tracing setup and gRPC propagation
+(`tracing`, `client_tracing`), Prometheus metrics (`metrics`), structured logs (`logs`), and
+the per-process entry point that sets them all up (`process`)."""

@@ -1,12 +1,14 @@
-"""Tracing helper: one context manager over the OpenTelemetry API.
+"""Tracing helpers over the OpenTelemetry API, used by every pipeline stage.
 
-    with span("kv.verify", request_id=rid, state_generation=3) as current:
+    with span("kv.verify", parent, request_id=rid, state_generation=3) as current:
         ...
         current.set_attribute("retained_rows", rows)
 
-Without a configured tracer provider the API hands out no-op spans, so services and tests
-pay nothing until the observability setup installs an exporter. Attribute values that are
-None are dropped; other non-primitive values are recorded as strings.
+Without a configured tracer provider (`services.telemetry.tracing`) the API hands out no-op
+spans, so services and tests pay nothing until an exporter is installed. Attribute values
+that are None are dropped; other non-primitive values are recorded as strings. A span given
+a `request_id` also binds it for log records (`services.telemetry.logs`), and a span left by
+an exception records it with its status code and the field it names (kvrelay's typed errors).
 """
 
 from __future__ import annotations
@@ -17,22 +19,58 @@ from contextlib import contextmanager
 from opentelemetry import context, propagate, trace
 from opentelemetry.util.types import AttributeValue
 
+from services.telemetry.logs import bound_request_id
+
 TRACER_NAME = "kvrelay"
+# A proxy until a provider is installed, then it delegates to that provider's tracer.
+_TRACER = trace.get_tracer(TRACER_NAME)
 _PRIMITIVE = (bool, str, int, float)
 
 
 @contextmanager
 def span(name: str, parent: context.Context | None = None, **attributes: object) -> Iterator[trace.Span]:
-    """Start a span named `name` (child of the current span, or of `parent` when given),
-    record exceptions on it, and end it on exit."""
-    tracer = trace.get_tracer(TRACER_NAME)
-    with tracer.start_as_current_span(name, context=parent, attributes=_attributes(attributes)) as current:
-        yield current
+    """Start a span named `name` (child of the current span, or of `parent` when given) as
+    the current span, record an exception that leaves it, and end it on exit."""
+    request_id = attributes.get("request_id")
+    with (
+        bound_request_id(request_id if isinstance(request_id, str) else None),
+        _TRACER.start_as_current_span(name, context=parent, attributes=_attributes(attributes)) as current,
+    ):
+        try:
+            yield current
+        except Exception as exc:
+            record_error(current, exc)
+            raise
+
+
+def start_span(name: str, parent: context.Context | None = None, **attributes: object) -> trace.Span:
+    """Start a span that the caller ends (`span.end()`), without making it current: for work
+    that spans many iterations of a loop on another thread (decode step batches)."""
+    return _TRACER.start_span(name, context=parent, attributes=_attributes(attributes))
+
+
+def annotate(**attributes: object) -> None:
+    """Set attributes on the current span (e.g. the server span of an RPC)."""
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.set_attributes(_attributes(attributes))
+
+
+def record_error(current: trace.Span, exc: BaseException) -> None:
+    """Name the error on `current`: its type, and for kvrelay's typed errors the status code
+    they map to at the RPC edge and the field they name."""
+    code = getattr(exc, "code", None)
+    current.set_attributes(_attributes({
+        "error.type": type(exc).__name__,
+        "error.status": getattr(code, "name", None),
+        "error.field": getattr(exc, "field", None) or None,
+    }))
 
 
 def extract_context(carrier: Mapping[str, str]) -> context.Context:
-    """The trace context of a W3C text-map carrier (traceparent, tracestate)."""
-    return propagate.extract(dict(carrier))
+    """The trace context of a W3C text-map carrier (traceparent, tracestate); the current
+    context when the carrier holds none, so an empty carrier never starts a new trace."""
+    return propagate.extract(dict(carrier), context=context.get_current())
 
 
 def inject_context() -> dict[str, str]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.telemetry import metrics
 from services.transfer.deadline import Deadline
 from services.transfer.errors import (
     PairGroupsExhausted,
@@ -319,6 +320,7 @@ class PairGroupPool:
     group makes room for a new one, and idle groups are closed after `idle_timeout_s`.
 
     `on_close(group)` runs after a group is closed (the receiver drops the open key there).
+    Creations and evictions are counted in the metrics under `side` ("sender"/"receiver").
     Thread-safe; closing happens outside the pool's lock.
     """
 
@@ -327,8 +329,10 @@ class PairGroupPool:
         config: PairGroupConfig,
         on_close: Callable[[PairGroup], None] = lambda group: None,
         clock: Callable[[], float] = time.monotonic,
+        side: str = "sender",
     ) -> None:
         self._config = config
+        self._side = side
         self._on_close = on_close
         self._clock = clock
         self._lock = threading.Lock()
@@ -349,7 +353,9 @@ class PairGroupPool:
             victim = self._make_room(key)
             group.users, group.last_used = 1, self._clock()
             self._groups[group.id] = group
+        metrics.PAIR_GROUPS_CREATED.labels(self._side).inc()
         if victim is not None:
+            metrics.PAIR_GROUPS_EVICTED.labels(self._side, "lru").inc()
             self._close(victim, "evicted: least recently used")
 
     def take_idle(self, match: Callable[[PairGroup], bool]) -> PairGroup | None:
@@ -382,6 +388,7 @@ class PairGroupPool:
         with self._lock:
             if self._groups.get(group.id) is group:
                 del self._groups[group.id]
+        metrics.PAIR_GROUPS_EVICTED.labels(self._side, "discarded").inc()
         self._close(group, reason)
 
     def sweep(self) -> list[GroupId]:
@@ -395,6 +402,7 @@ class PairGroupPool:
             for group in stale:
                 del self._groups[group.id]
         for group in stale:
+            metrics.PAIR_GROUPS_EVICTED.labels(self._side, "idle").inc()
             self._close(group, "evicted: idle")
         return [g.id for g in stale]
 

@@ -44,7 +44,7 @@ class KVReceiver:
         self.config = config or PairGroupConfig()
         self.device = torch.device(device)
         self._host = RendezvousHost(self.config.bind_host, self.config.store_port)
-        self._pool = PairGroupPool(self.config, on_close=self._forget)
+        self._pool = PairGroupPool(self.config, on_close=self._forget, side="receiver")
         self._admit_lock = threading.Lock()
 
     @property

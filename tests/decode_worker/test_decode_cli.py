@@ -1,5 +1,6 @@
-"""`kvrelay serve decode` as a real process: it serves gRPC health and its transfer endpoint
-on the ports it prints, and stops cleanly on SIGTERM."""
+"""`kvrelay serve decode` as a real process: it serves gRPC health (NOT_SERVING: its policy
+service is unreachable) and its transfer endpoint on the ports it prints, and stops cleanly
+on SIGTERM."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _wait_for_listening(process: subprocess.Popen[str]) -> re.Match[str]:
 def test_serve_decode_starts_serves_and_stops_on_sigterm(checkpoint: Path) -> None:
     command = [*_kvrelay(), "serve", "decode", "--checkpoint", str(checkpoint), "--port", "0",
                "--transfer-port", "0", "--worker-id", "decode-cli", "--torch-threads", "1",
-               "--log-level", "WARNING"]
+               "--log-level", "WARNING", "--policy-address", "127.0.0.1:1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         match = _wait_for_listening(process)
@@ -56,7 +57,8 @@ def test_serve_decode_starts_serves_and_stops_on_sigterm(checkpoint: Path) -> No
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="kvrelay.v1.DecodeWorker"), timeout=10
             )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            # Readiness: no policy service answers at --policy-address, so not ready.
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
             endpoint = decode_pb2_grpc.DecodeWorkerStub(channel).GetTransferEndpoint(
                 decode_pb2.GetTransferEndpointRequest(), timeout=10
             )

@@ -86,3 +86,19 @@ def test_a_child_whose_launcher_is_gone_does_not_start() -> None:
     done = subprocess.run([sys.executable, "-m", "services.launcher.child", "1", "serve", "policy"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "launcher 1 is gone" in done.stderr
+
+
+def test_metrics_ports_are_numbered_per_service_or_left_to_the_services(tmp_path: Path) -> None:
+    def metrics_port(argv: tuple[str, ...]) -> str | None:
+        return argv[argv.index("--metrics-port") + 1] if "--metrics-port" in argv else None
+
+    config = StackConfig.with_counts(Path("/ckpt"), prefill=2, decode=2, log_dir=tmp_path, metrics_base_port=9091)
+    stack = Stack(config)
+    ports = [metrics_port(s.argv) for s in (stack._gateway(), stack._policy(), stack._prefill(0, 50062),
+                                            stack._prefill(1, 50072), stack._decode(0, config.decode_ports[0]),
+                                            stack._decode(1, config.decode_ports[1]))]
+    assert ports == ["9091", "9092", "9093", "9103", "9094", "9104"]
+    assert metrics_port(stack._decode_service("spare", WorkerPorts(50083, 50084)).argv) == "0"
+    assert metrics_port(Stack(StackConfig.with_counts(Path("/ckpt"), log_dir=tmp_path))._gateway().argv) is None
+    with pytest.raises(ValueError, match="metrics_base_port"):
+        StackConfig.with_counts(Path("/ckpt"), metrics_base_port=50060)  # lands on the gRPC ports 50061-50063

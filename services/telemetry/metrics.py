@@ -1,0 +1,246 @@
+"""Prometheus metrics of every kvrelay service.
+
+The families below are module-level objects that the code paths update directly; each
+process exposes the families of its role (`registry_for(role)`: its own plus the RPC and
+process families) on its metrics port (`serve_metrics`, `KVRELAY_<ROLE>_METRICS_PORT`,
+defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpoint off).
+
+| family (kvrelay_...)                         | roles            | what                                    |
+| -------------------------------------------- | ---------------- | --------------------------------------- |
+| rpc_requests_total, rpc_duration_seconds     | all              | served calls by method and status code  |
+| stale_rejections_total{stage}                | prefill, decode, policy | work refused for an older generation |
+| gateway_ttft_seconds, gateway_tpot_seconds   | gateway          | as the client sees the stream           |
+| gateway_requests_in_flight, gateway_retries_total | gateway     | load and retries on other workers       |
+| prefill_stage_seconds{stage}                 | prefill          | forward, score, allocate, select, pack, publish, send |
+| prefill_in_flight, prefill_queue_depth       | prefill          | prompts running / waiting for a slot    |
+| kv_rows_total{policy,kind}, kv_bytes_total{policy,kind} | prefill | retained and omitted rows and K/V bytes |
+| transfer_bytes_total{direction}, transfer_seconds{direction} | prefill, decode | rows moved over pair groups |
+| pair_groups_created_total{side}, pair_groups_evicted_total{side,cause} | prefill, decode | lru, idle, discarded |
+| decode_transfers_rejected_total{error}       | decode           | views refused before decoding           |
+| decode_requests_active, decode_requests_waiting, decode_kv_reserved_bytes | decode | queue and KV resident |
+| decode_batch_size, decode_tokens_total, decode_tpot_seconds | decode | the continuous-batching loop |
+
+Recall metrics come with the recall path (none exists yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+ROLES = ("gateway", "policy", "prefill", "decode")
+DEFAULT_METRICS_PORTS = {"gateway": 9091, "policy": 9092, "prefill": 9093, "decode": 9094}
+# Seconds, from a policy-service round trip to a long prompt's prefill on CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Calls that are probes or tooling, not requests.
+_UNMEASURED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+
+
+def _unregistered(kind: type[Any], name: str, documentation: str, labels: Iterable[str] = (), **kwargs: Any) -> Any:
+    return kind(name, documentation, list(labels), registry=None, **kwargs)
+
+
+RPC_REQUESTS = _unregistered(Counter, "kvrelay_rpc_requests", "gRPC calls served, by method and status code",
+                             ("method", "code"))
+RPC_DURATION = _unregistered(Histogram, "kvrelay_rpc_duration_seconds",
+                             "Served gRPC call duration (a stream: until its last message), by method and status code",
+                             ("method", "code"), buckets=LATENCY_BUCKETS)
+STALE_REJECTIONS = _unregistered(Counter, "kvrelay_stale_rejections",
+                                 "Work refused because it carries an older request/state/cache generation",
+                                 ("stage",))
+
+GATEWAY_TTFT = _unregistered(Histogram, "kvrelay_gateway_ttft_seconds",
+                             "Time to first token, from accepting the request", buckets=LATENCY_BUCKETS)
+GATEWAY_TPOT = _unregistered(Histogram, "kvrelay_gateway_tpot_seconds",
+                             "Mean time per output token after the first, per request", buckets=TOKEN_BUCKETS)
+GATEWAY_IN_FLIGHT = _unregistered(Gauge, "kvrelay_gateway_requests_in_flight", "Generate calls being served")
+GATEWAY_RETRIES = _unregistered(Counter, "kvrelay_gateway_retries",
+                                "Attempts retried on other workers after a failure before the first token")
+
+PREFILL_STAGE = _unregistered(Histogram, "kvrelay_prefill_stage_seconds", "Prefill pipeline stage duration",
+                              ("stage",), buckets=LATENCY_BUCKETS)
+PREFILL_IN_FLIGHT = _unregistered(Gauge, "kvrelay_prefill_in_flight", "Prompts running the pipeline")
+PREFILL_QUEUE_DEPTH = _unregistered(Gauge, "kvrelay_prefill_queue_depth", "Prompts waiting for a pipeline slot")
+KV_ROWS = _unregistered(Counter, "kvrelay_kv_rows", "K/V rows per (layer, owner) kept or dropped by compression",
+                        ("policy", "kind"))
+KV_BYTES = _unregistered(Counter, "kvrelay_kv_bytes", "K/V payload bytes kept or dropped by compression",
+                         ("policy", "kind"))
+
+TRANSFER_BYTES = _unregistered(Counter, "kvrelay_transfer_bytes", "Bytes moved over pair groups", ("direction",))
+TRANSFER_SECONDS = _unregistered(Histogram, "kvrelay_transfer_seconds",
+                                 "Transfer duration (send: AcceptTransfer to the last layer out; recv: receives posted to the whole view in)",
+                                 ("direction",), buckets=LATENCY_BUCKETS)
+PAIR_GROUPS_CREATED = _unregistered(Counter, "kvrelay_pair_groups_created", "Pairwise process groups created",
+                                    ("side",))
+PAIR_GROUPS_EVICTED = _unregistered(Counter, "kvrelay_pair_groups_evicted",
+                                    "Pairwise process groups closed to make room (lru), when idle (idle), or after a failure, a cancel or the peer's close (discarded)",
+                                    ("side", "cause"))
+
+DECODE_REJECTED = _unregistered(Counter, "kvrelay_decode_transfers_rejected",
+                                "Transfers rejected before decoding, by error", ("error",))
+DECODE_ACTIVE = _unregistered(Gauge, "kvrelay_decode_requests_active", "Requests admitted or waiting for the batch")
+DECODE_WAITING = _unregistered(Gauge, "kvrelay_decode_requests_waiting", "Verified requests waiting for room in the batch")
+DECODE_KV_RESERVED = _unregistered(Gauge, "kvrelay_decode_kv_reserved_bytes",
+                                   "KV bytes reserved by accepted transfers (resident rows plus room to append)")
+DECODE_BATCH = _unregistered(Histogram, "kvrelay_decode_batch_size", "Requests per decode step",
+                             buckets=BATCH_BUCKETS)
+DECODE_TOKENS = _unregistered(Counter, "kvrelay_decode_tokens", "Output tokens decoded (the first comes from prefill)")
+DECODE_TPOT = _unregistered(Histogram, "kvrelay_decode_tpot_seconds",
+                            "Mean time per decoded token, per finished request", buckets=TOKEN_BUCKETS)
+
+_COMMON: tuple[Collector, ...] = (RPC_REQUESTS, RPC_DURATION)
+_TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUPS_CREATED, PAIR_GROUPS_EVICTED)
+ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
+    "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_RETRIES),
+    "policy": (STALE_REJECTIONS,),
+    "prefill": (STALE_REJECTIONS, PREFILL_STAGE, PREFILL_IN_FLIGHT, PREFILL_QUEUE_DEPTH, KV_ROWS, KV_BYTES,
+                *_TRANSFER),
+    "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED,
+               DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, *_TRANSFER),
+}
+
+
+def registry_for(role: str) -> CollectorRegistry:
+    """A registry with the families `role` exposes, plus process and runtime collectors."""
+    if role not in ROLE_FAMILIES:
+        raise ValueError(f"role: {role!r} is not one of {ROLES}")
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in (*_COMMON, *ROLE_FAMILIES[role], PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """A running metrics HTTP server; `stop()` closes it."""
+
+    host: str
+    port: int
+    server: Any
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serve_metrics(role: str, host: str, port: int) -> MetricsEndpoint | None:
+    """Serve `registry_for(role)` at http://host:port/metrics on a daemon thread; None when
+    `port` is 0 or the port is taken (logged: the service keeps serving without metrics)."""
+    if port == 0:
+        return None
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry_for(role))
+    except OSError as exc:
+        log.error("metrics endpoint %s:%d not started (%s); this %s service runs without metrics",
+                  host, port, exc, role)
+        return None
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return MetricsEndpoint(host, bound, server)
+
+
+@contextlib.contextmanager
+def timed(histogram: Any) -> Any:
+    """Observe the block's wall time (seconds) in `histogram` (a labelled child is fine)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        histogram.observe(time.perf_counter() - started)
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts and times every served call (unary and server-streaming) by method and final
+    status code; health checks and reflection are left out."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(_UNMEASURED_PREFIXES):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _measured_unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _measured_stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _measured_unary(method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            return await behavior(request, context)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _observe(method, _final_code(context, error), started)
+
+    return unary
+
+
+def _measured_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _observe(method, _final_code(context, error), started)
+
+    return stream
+
+
+def _final_code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if error is None:
+        return grpc.StatusCode.OK.name
+    if isinstance(error, GeneratorExit | asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED.name
+    return grpc.StatusCode.UNKNOWN.name
+
+
+def _observe(method: str, code: str, started: float) -> None:
+    RPC_REQUESTS.labels(method, code).inc()
+    RPC_DURATION.labels(method, code).observe(time.perf_counter() - started)
