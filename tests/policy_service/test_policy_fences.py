@@ -52,7 +52,9 @@ async def test_race_of_64_publishers_has_one_winner_per_round(policy_server: Pol
             stale = [o for o in outcomes if isinstance(o, StaleGeneration)]
             assert len(winners) == 1 and len(stale) == PUBLISHERS - 1, outcomes
             won = winners[0].fence
-            assert not winners[0].already_published
+            # The winner may see already_published=True: when its first reply is lost
+            # (UNAVAILABLE under load) the client retries and the identical successor is
+            # answered idempotently. Exactly one digest still wins.
             assert won.state_generation == parent + 1
             assert all(s.current.receipt_digest == won.receipt_digest for s in stale)
             assert all(s.current.state_generation == parent + 1 for s in stale)
