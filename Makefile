@@ -4,6 +4,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # CI and development pin the CPU build of torch; set CONSTRAINTS= to skip the pins (CUDA users).
 CONSTRAINTS ?= -c constraints.txt
+# What `make typecheck` checks: the services and their shared runtime, not the demo
+# training/evaluation scripts (services/model/train_demo.py, evaluate.py, needle.py).
+TYPED := services/kvpolicy services/transfer services/policy services/offload services/telemetry \
+	services/rpc/errors.py services/rpc/server.py services/rpc/readiness.py \
+	services/model/config.py services/model/errors.py services/model/attention.py \
+	services/model/kvcache.py services/model/layers.py services/model/loader.py \
+	services/model/model.py services/model/runtime.py services/model/sampler.py \
+	services/model/tokenizer.py \
+	policy_service prefill_worker decode_worker services/gateway services/launcher services/cli.py
 
 .PHONY: setup demo test lint typecheck pytest proto clean
 
@@ -22,7 +31,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 typecheck: setup
-	$(BIN)/mypy services/kvpolicy
+	$(BIN)/mypy $(TYPED)
 
 pytest: setup
 	$(BIN)/pytest

@@ -90,7 +90,7 @@ def generate(
         with GatewayClient(gateway, timeout_s=timeout_s) as client:
             print_generation(client, request, console, stream=stream)
     except grpc.RpcError as exc:
-        console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")  # type: ignore[attr-defined]
+        console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
         raise typer.Exit(1) from None
 
 

@@ -27,8 +27,10 @@ _TRACER = trace.get_tracer(TRACER_NAME)
 _PRIMITIVE = (bool, str, int, float)
 
 
+# `parent` is positional-only in span/start_span so that an attribute mapping passed as
+# `**attributes` can never bind it.
 @contextmanager
-def span(name: str, parent: context.Context | None = None, **attributes: object) -> Iterator[trace.Span]:
+def span(name: str, parent: context.Context | None = None, /, **attributes: object) -> Iterator[trace.Span]:
     """Start a span named `name` (child of the current span, or of `parent` when given) as
     the current span, record an exception that leaves it, and end it on exit."""
     request_id = attributes.get("request_id")
@@ -43,7 +45,8 @@ def span(name: str, parent: context.Context | None = None, **attributes: object)
             raise
 
 
-def start_span(name: str, parent: context.Context | None = None, **attributes: object) -> trace.Span:
+def start_span(name: str, parent: context.Context | None = None, /,
+               **attributes: object) -> trace.Span:
     """Start a span that the caller ends (`span.end()`), without making it current: for work
     that spans many iterations of a loop on another thread (decode step batches)."""
     return _TRACER.start_span(name, context=parent, attributes=_attributes(attributes))

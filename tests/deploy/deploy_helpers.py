@@ -26,7 +26,7 @@ OVERLAYS = (REPO / "k8s" / "overlays" / "cpu", REPO / "k8s" / "overlays" / "gpu"
 # Variables a container may carry besides the CLI's own: OpenTelemetry's standard
 # configuration and NCCL's tuning knobs (read by the libraries, not by kvrelay's CLI).
 LIBRARY_ENV_PREFIXES = ("OTEL_", "NCCL_")
-PORT_PARAMS = ("port", "transfer_port")
+PORT_PARAMS = ("port", "transfer_port", "metrics_port")
 
 
 # ---- the CLI as data ----
@@ -82,7 +82,7 @@ def is_library_env(name: str) -> bool:
 
 
 def default_ports() -> dict[str, dict[str, int]]:
-    """role -> {"port": default, "transfer_port": default (decode only)}."""
+    """role -> {"port": default, "transfer_port": default (decode only), "metrics_port": default}."""
     return {
         role: {p.name: int(p.default) for p in cmd.params if p.name in PORT_PARAMS}
         for role, cmd in serve_roles().items()

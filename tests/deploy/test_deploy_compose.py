@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import yaml
 from deploy_helpers import (
+    PORT_PARAMS,
     REPO,
     default_ports,
     envvars,
@@ -91,10 +92,10 @@ def test_every_role_runs_once_with_its_own_environment_names() -> None:
         own = envvars(command)
         unknown = {var for var in service["environment"] if var not in own and not is_library_env(var)}
         assert not unknown, f"{name}: {sorted(unknown)} are not variables of `kvrelay {' '.join(service['command'])}`"
-        for var, value in service["environment"].items():
-            if var in own and own[var].name in ("port", "transfer_port"):
-                role = role_of(service["command"])
-                assert int(value) == default_ports()[role][own[var].name], f"{name}: {var}={value}"
+        defaults = default_ports()[role_of(service["command"])]
+        pinned = {own[var].name: int(value) for var, value in service["environment"].items()
+                  if var in own and own[var].name in PORT_PARAMS}
+        assert pinned == defaults, f"{name}: ports {pinned}, the CLI's defaults are {defaults}"
         host_var = next(v for v, p in own.items() if p.name == "host")
         assert effective_env(service)[host_var] == "0.0.0.0", f"{name} must listen on every interface"
 

@@ -169,7 +169,11 @@ def test_roles_listen_on_the_cli_default_ports_everywhere(rendered, overlay: str
         assert declared["grpc"] == ports["port"]
         if "transfer_port" in ports:
             assert declared["transfer"] == ports["transfer_port"]
+        assert declared["metrics"] == ports["metrics_port"]
         assert set(declared.values()) == set(ports.values())
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", f"{role}: pods are not scraped"
+        assert annotations.get("prometheus.io/port") == str(ports["metrics_port"]), f"{role}: scrape port"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == ports["port"], f"{role}: {probe} is not a gRPC probe of its port"
         assert values["OTEL_SERVICE_NAME"] == f"kvrelay-{role}"

@@ -1,9 +1,9 @@
-"""Fixtures: a real redis-server per module, a real policy service per test (own key prefix),
+"""Fixtures: a real policy service per test (own key prefix) on the shared `redis_server`,
 typed clients, and small valid manifests from the kvpolicy core."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from policy_helpers import service_config
@@ -17,12 +17,6 @@ from services.kvpolicy.manifest import (
 )
 from services.policy import PolicyClient, PolicyClientConfig
 from services.redis_embedded import EmbeddedRedis
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""Fixtures of the gateway tests: a real redis-server and policy service, and a served
+"""Fixtures of the gateway tests: a real policy service on the shared `redis_server`, and a served
 checkpoint directory holding what the gateway reads (config.json, tokenizer.json; no weights)."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -37,12 +37,6 @@ def served_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     needle.build_tokenizer().save(str(directory / "tokenizer.json"))
     return directory
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
-        yield server
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import symbolic_kv
 
 from services.kvpolicy.errors import PackingError
 from services.kvpolicy.packing import (
@@ -21,18 +22,6 @@ from services.kvpolicy.packing import (
 torch.set_num_threads(1)
 
 SELECTED = [[[0, 2, 5, 7], [0, 1, 6, 7]], [[0, 3, 4, 7], [0, 2, 6, 7]]]
-
-
-def symbolic_kv(
-    layers: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K[l,h,t,c] = 1000 l + 100 h + 10 t + c and V = 5000 + K.  # [L, H_kv, T, d_h] each"""
-    l = torch.arange(layers).view(-1, 1, 1, 1)  # noqa: E741 - the formula's own name
-    h = torch.arange(heads).view(1, -1, 1, 1)
-    t = torch.arange(tokens).view(1, 1, -1, 1)
-    c = torch.arange(head_dim).view(1, 1, 1, -1)
-    k = (1000 * l + 100 * h + 10 * t + c).to(dtype)
-    return k, (5000 + k).to(dtype)
 
 
 def example_view() -> PackedKVView:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import symbolic_kv
 
 from services.offload.errors import PageRefInvalid, SummaryInvalid
 from services.offload.pages import (
@@ -25,18 +26,6 @@ torch.set_num_threads(1)
 
 # 2 layers, 2 K/V heads, 10 tokens; owner (0, 0) omits 2-4 and 6-8, owner (1, 1) nothing.
 SELECTED = [[[0, 1, 5, 9], [2, 3]], [[], list(range(10))]]
-
-
-def symbolic_kv(
-    layers: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K[l,h,t,c] = 1000 l + 100 h + 10 t + c and V = 5000 + K.  # [L, H_kv, T, d_h] each"""
-    l = torch.arange(layers).view(-1, 1, 1, 1)  # noqa: E741 - the formula's own name
-    h = torch.arange(heads).view(1, -1, 1, 1)
-    t = torch.arange(tokens).view(1, 1, -1, 1)
-    c = torch.arange(head_dim).view(1, 1, 1, -1)
-    k = (1000 * l + 100 * h + 10 * t + c).to(dtype)
-    return k, (5000 + k).to(dtype)
 
 
 def test_runs_are_cut_into_pages_of_at_most_page_size() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_helpers import symbolic_kv
 
 from services.offload.errors import PageRefInvalid, StoreInvalid
 from services.offload.pages import OmittedRows, PageRef, gather_omitted, summarize_pages
@@ -31,18 +32,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def symbolic_kv(
-    layers: int, heads: int, tokens: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K[l,h,t,c] = 1000 l + 100 h + 10 t + c and V = 5000 + K.  # [L, H_kv, T, d_h] each"""
-    l = torch.arange(layers).view(-1, 1, 1, 1)  # noqa: E741 - the formula's own name
-    h = torch.arange(heads).view(1, -1, 1, 1)
-    t = torch.arange(tokens).view(1, 1, -1, 1)
-    c = torch.arange(head_dim).view(1, 1, 1, -1)
-    k = (1000 * l + 100 * h + 10 * t + c).float()
-    return k, 5000 + k
 
 
 @cache
