@@ -100,7 +100,11 @@ def _complete(spans: list[ReceivedSpan], output_tokens: int) -> bool:
     names = {s.name for s in trace}
     steps = sum(int(s.attributes.get("steps", 0)) for s in trace if s.name == "decode.step")  # type: ignore[call-overload]
     ended = any(s.name.endswith("/EndRequest") and s.service == "kvrelay-policy" for s in trace)
-    return {*PIPELINE, *DECODE, "prefill"} <= names and steps == output_tokens - 1 and ended
+    # Services export in batches, so a child can arrive before its parent: wait until every
+    # parent that a received span names has arrived too.
+    ids = {s.span_id for s in trace}
+    parents_arrived = all(not s.parent_span_id or s.parent_span_id in ids for s in trace)
+    return {*PIPELINE, *DECODE, "prefill"} <= names and steps == output_tokens - 1 and ended and parents_arrived
 
 
 @pytest.fixture(scope="module")
