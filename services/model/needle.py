@@ -295,7 +295,9 @@ class DocumentMix:
 
     ``filler_share`` is the probability that the next segment is a filler sentence (about the
     share of filler tokens); ``before_filler_share`` is the share of questions asked in placement
-    (b), whose gap is drawn from ``[gap_min, gap_max]`` tokens.
+    (b), whose gap is drawn from ``[gap_min, gap_max]`` tokens. No question is asked before
+    ``min_facts`` facts have been stated: with only one or two candidates, "copy a recent code"
+    answers most questions without retrieval, and training stalls on that shortcut.
     """
 
     tokens: int
@@ -303,8 +305,11 @@ class DocumentMix:
     before_filler_share: float = 0.0
     gap_min: int = 16
     gap_max: int = 128
+    min_facts: int = 1
 
     def __post_init__(self) -> None:
+        if self.min_facts < 1:
+            raise NeedleLanguageError(f"min_facts must be >= 1, got {self.min_facts}")
         if self.tokens < 32:
             raise NeedleLanguageError(f"tokens must be >= 32, got {self.tokens}")
         if not 0.0 <= self.filler_share < 1.0:
@@ -355,7 +360,8 @@ def _next_segment(
         length = rng.randint(5, MAX_SENTENCE)
         segment = filler_sentence(rng, length)
         return (segment, None) if _fits(segment, remaining) else (None, None)
-    if stated and (not unused or rng.random() < 0.5):
+    ready = len(stated) >= mix.min_facts
+    if stated and (not unused or (ready and rng.random() < 0.5)):
         return _question_segment(mix, rng, stated, remaining)
     name = unused.pop()
     code = rng.choice(CODES)

@@ -17,7 +17,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,7 @@ class Stage:
     min_steps: int = 50
     target_accuracy: float = 0.95  # running answer accuracy that ends the stage early
     gap_max: int = 128
+    min_facts: int = 8  # facts stated before a document's first question
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.filler_min <= self.filler_max < 1.0:
@@ -56,11 +57,11 @@ class Stage:
 
 
 DEFAULT_CURRICULUM: tuple[Stage, ...] = (
-    Stage(128, 0.0, 0.2, 0.0, max_steps=800, target_accuracy=0.9),
-    Stage(256, 0.2, 0.6, 0.15, max_steps=500, target_accuracy=0.9, gap_max=64),
-    Stage(512, 0.3, 0.9, 0.25, max_steps=500, target_accuracy=0.93),
-    Stage(1024, 0.3, 0.95, 0.25, max_steps=400, target_accuracy=0.95),
-    Stage(2048, 0.3, 0.95, 0.25, max_steps=500, min_steps=500),
+    Stage(128, 0.0, 0.2, 0.0, max_steps=500, target_accuracy=0.9),
+    Stage(256, 0.2, 0.6, 0.2, max_steps=300, target_accuracy=0.9, gap_max=64),
+    Stage(512, 0.3, 0.9, 0.25, max_steps=300, target_accuracy=0.93),
+    Stage(1024, 0.3, 0.95, 0.25, max_steps=200, target_accuracy=0.95),
+    Stage(2048, 0.3, 0.95, 0.25, max_steps=150, min_steps=150),
 )
 
 
@@ -77,12 +78,17 @@ class TrainConfig:
     head_dim: int = 64  # wider than d_model / heads: see model_config
     intermediate: int = 384
     tokens_per_step: int = 4096
-    lr: float = 1e-3
+    lr: float = 2e-3
+    # Init std of the tied embedding: 0.15, not HF's 0.02, so that a token's identity is still
+    # readable in the residual after the first layers (a copied code stayed unreadable at 0.02).
+    embedding_std: float = 0.15
     lm_weight: float = 0.3  # weight of the next-token loss on non-answer tokens
-    probe_weight: float = 0.0  # weight of the training-only name probe (0 disables it)
+    probe_weight: float = 1.0  # weight of the training-only name probe (0 disables it)
     probe_layer: int = 2  # the probe reads the residual stream after this many layers
-    warmup_steps: int = 100
-    final_decay_steps: int = 300  # cosine decay over the last steps of the last stage
+    attention_weight: float = 1.0  # weight of the head-0 attention losses (0 disables them)
+    attention_layer: int = 2  # 0-based layer whose head 0 is supervised to attend to the fact
+    warmup_steps: int = 30
+    final_decay_steps: int = 150  # cosine decay over the last steps of the last stage
     threads: int = 1
     eval_every: int = 100
     eval_prompts: int = 16
@@ -92,6 +98,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= self.probe_layer <= self.layers:
+            raise ValueError(f"probe_layer must be in [1, layers={self.layers}], got {self.probe_layer}")
+        if self.attention_weight > 0 and not 2 <= self.attention_layer < self.layers:
+            raise ValueError(
+                f"attention_layer must be in [2, layers={self.layers}), got {self.attention_layer}"
+            )
         if self.heads % self.kv_heads:
             raise ValueError(f"heads must be divisible by kv_heads, got {self.heads}/{self.kv_heads}")
         if not self.curriculum:
@@ -135,6 +147,11 @@ class Batch:
     input_ids: torch.Tensor  # [B, T]
     rows: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
+    sources: torch.Tensor  # [N] position of each answer's code inside its fact
+    marks: torch.Tensor  # [N] position of the ``?`` of each answer's question
+    gather_rows: torch.Tensor  # [G]
+    gather_queries: torch.Tensor  # [G] fact codes and question marks
+    gather_targets: torch.Tensor  # [G] the name each of them is about
     probe_rows: torch.Tensor  # [M]
     probe_positions: torch.Tensor  # [M]
     probe_names: torch.Tensor  # [M] index into needle.NAMES
@@ -143,7 +160,7 @@ class Batch:
 def make_batch(stage: Stage, batch_size: int, rng: random.Random) -> Batch:
     """``batch_size`` documents of one stage with their answer and name-probe positions."""
     vocab = {word: index for index, word in enumerate(needle.vocabulary())}
-    ids, rows, positions, probes = [], [], [], []
+    ids, rows, positions, sources, marks, probes, gathers = [], [], [], [], [], [], []
     for row in range(batch_size):
         mix = needle.DocumentMix(
             tokens=stage.tokens,
@@ -151,15 +168,22 @@ def make_batch(stage: Stage, batch_size: int, rng: random.Random) -> Batch:
             before_filler_share=stage.before_filler_share,
             gap_min=min(16, stage.gap_max),
             gap_max=stage.gap_max,
+            min_facts=stage.min_facts,
         )
         document = needle.build_training_sequence(mix, rng)
         ids.append([vocab[word] for word in document.words])
         rows += [row] * len(document.answer_positions)
         positions += document.answer_positions
+        links = attention_targets(document)
+        sources += [link.source for link in links.answers]
+        marks += [link.mark for link in links.answers]
+        gathers += [(row, query, target) for query, target in links.gathers]
         probes += [(row, at, name) for at, name in name_probe_targets(document)]
     probe_rows, probe_positions, probe_names = zip(*probes, strict=True) if probes else ((), (), ())
+    gather_rows, gather_queries, gather_targets = zip(*gathers, strict=True) if gathers else ((), (), ())
     return Batch(
-        torch.tensor(ids), torch.tensor(rows), torch.tensor(positions),
+        torch.tensor(ids), _longs(rows), _longs(positions), _longs(sources), _longs(marks),
+        _longs(gather_rows), _longs(gather_queries), _longs(gather_targets),
         torch.tensor(probe_rows, dtype=torch.long), torch.tensor(probe_positions, dtype=torch.long),
         torch.tensor(probe_names, dtype=torch.long),
     )
@@ -184,6 +208,117 @@ def name_probe_targets(document: needle.TrainingSequence) -> list[tuple[int, int
     return targets
 
 
+def _longs(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class AnswerLink:
+    """Where the circuit that answers one question reads: the ``?`` closing the question (which
+    holds the asked name) and the code inside the asked fact."""
+
+    mark: int
+    source: int
+
+
+@dataclass(frozen=True)
+class AttentionTargets:
+    """Supervised attention of one document: ``gathers`` are (query, key) pairs from each fact
+    code and each ``?`` to the name token it is about; ``answers`` align with the answers."""
+
+    gathers: tuple[tuple[int, int], ...]
+    answers: tuple[AnswerLink, ...]
+
+
+def attention_targets(document: needle.TrainingSequence) -> AttentionTargets:
+    """The three hops of needle retrieval, as positions: a fact's code and a question's ``?``
+    look at their name (layer 0), the answer cue ``:`` looks at its question's ``?`` (layer
+    1), and the cue looks at the asked fact's code (``attention_layer``)."""
+    words, fact_code, gathers = document.words, {}, []
+    for at, word in enumerate(words):
+        if word in _CODES and words[at - 1] == "is":
+            fact_code[words[at - 2]] = at
+            gathers.append((at, at - 2))
+        elif word == "?":
+            gathers.append((at, at - 1))
+    answers, mark = [], None
+    positions = set(document.answer_positions)
+    for at, word in enumerate(words):
+        if word == "?":
+            mark = at
+        elif at in positions:
+            assert mark is not None
+            answers.append(AnswerLink(mark, fact_code[words[mark - 1]]))
+    return AttentionTargets(tuple(gathers), tuple(answers))
+
+
+def head_attention_loss(
+    model: LlamaForCausalLM,
+    hidden_states: tuple[torch.Tensor, ...],
+    layer: int,
+    rows: torch.Tensor,
+    queries: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """Cross-entropy of query head 0 of ``layer`` attending from ``queries`` to ``targets``
+    (all ``[Q]``, with the batch ``rows`` they are in). A training-only signal: the heads of
+    a retrieval circuit get no useful gradient until the other heads already work, which is
+    the long plateau small models sit on; supervising where each hop looks breaks that
+    symmetry. Only the Q query rows are scored: O(Q T), never O(T^2)."""
+    block = model.model.layers[layer]
+    attention = block.self_attn
+    hidden = block.input_layernorm(hidden_states[layer])  # [B, T, D]
+    head_dim = attention.head_dim
+    query = attention.q_proj(hidden[rows, queries])[:, :head_dim]  # [Q, d_h] head 0
+    keys = attention.k_proj(hidden)[..., :head_dim]  # [B, T, d_h] K/V head 0
+    positions = torch.arange(hidden.shape[1]).unsqueeze(0)  # [1, T]
+    cos, sin = model.model.rotary_emb(hidden, positions)  # [1, T, d_h]
+    keys = keys * cos + _rotate_half(keys) * sin
+    query = query * cos[0, queries] + _rotate_half(query) * sin[0, queries]
+    logits = torch.einsum("qd,qtd->qt", query, keys[rows]) * attention.scaling  # [Q, T]
+    logits = logits.masked_fill(positions > queries.unsqueeze(1), float("-inf"))
+    return F.cross_entropy(logits, targets)
+
+
+def copy_loss(
+    model: LlamaForCausalLM, hidden_states: tuple[torch.Tensor, ...], batch: Batch, layer: int
+) -> torch.Tensor:
+    """Cross-entropy of the answer read from what head 0 of ``layer`` writes when it attends to
+    the asked fact's code (value at the source, through the head's slice of the output
+    projection, the final norm and the tied unembedding). It trains the head's value/output
+    path to copy the code; without it the code's identity, a small part of a residual
+    dominated by name features, stayed unreadable long after the attention was right."""
+    block = model.model.layers[layer]
+    attention = block.self_attn
+    head_dim = attention.head_dim
+    source = block.input_layernorm(hidden_states[layer][batch.rows, batch.sources])  # [N, D]
+    value = attention.v_proj(source)[:, :head_dim]  # [N, d_h] K/V head 0
+    written = value @ attention.o_proj.weight[:, :head_dim].T  # [N, D] query head 0's slice
+    logits = model.lm_head(model.model.norm(written))  # [N, V]
+    return F.cross_entropy(logits, batch.input_ids[batch.rows, batch.positions])
+
+
+def attention_loss(
+    model: LlamaForCausalLM, hidden_states: tuple[torch.Tensor, ...], batch: Batch, layer: int
+) -> torch.Tensor:
+    """Mean of the three supervised hops (see :func:`attention_targets`)."""
+    cues = batch.positions - 1
+    hops = [
+        head_attention_loss(model, hidden_states, 1, batch.rows, cues, batch.marks),
+        head_attention_loss(model, hidden_states, layer, batch.rows, cues, batch.sources),
+    ]
+    if batch.gather_rows.numel():
+        hops.append(head_attention_loss(
+            model, hidden_states, 0, batch.gather_rows, batch.gather_queries, batch.gather_targets
+        ))
+    return torch.stack(hops).mean()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
 class NameProbe(nn.Module):
     """Training-only linear read-out of a name from the residual stream after ``layer`` decoder
     layers (never saved). Supervising it at fact codes and answer cues gives the first layers
@@ -201,30 +336,57 @@ class NameProbe(nn.Module):
         return F.cross_entropy(self.proj(F.rms_norm(hidden, hidden.shape[-1:])), batch.probe_names)
 
 
-def answer_loss(
+@dataclass(frozen=True)
+class StepLoss:
+    """The training objective of one batch, its parts (for the log) and per-answer hits."""
+
+    total: torch.Tensor
+    parts: dict[str, float]
+    correct: torch.Tensor  # [N] bool
+
+
+def training_loss(
     model: LlamaForCausalLM,
     batch: Batch,
     lm_weight: float = 0.0,
     probe: NameProbe | None = None,
     probe_weight: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    attention_weight: float = 0.0,
+    attention_layer: int = 0,
+) -> StepLoss:
     """Mean cross-entropy on answer tokens, plus ``lm_weight`` times the mean next-token
-    cross-entropy on every other token, plus ``probe_weight`` times the name-probe loss; and
-    the per-answer correctness of the argmax."""
-    output = model.model(input_ids=batch.input_ids, output_hidden_states=probe is not None)
+    cross-entropy on every other token, plus ``probe_weight`` times the name-probe loss, plus
+    ``attention_weight`` times the retrieval-head attention loss."""
+    supervise_attention = attention_weight > 0 and batch.rows.numel() > 0
+    output = model.model(
+        input_ids=batch.input_ids, output_hidden_states=probe is not None or supervise_attention
+    )
     logits = model.lm_head(output.last_hidden_state[:, :-1])  # [B, T-1, V]; t predicts t+1
     targets = batch.input_ids[:, 1:]  # [B, T-1]
     token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     token_loss = token_loss.view_as(targets)  # [B, T-1]
     is_answer = torch.zeros_like(targets, dtype=torch.bool)
     is_answer[batch.rows, batch.positions - 1] = True
-    loss = token_loss[is_answer].mean()
+    terms = {"answer": (1.0, token_loss[is_answer].mean())}
     if lm_weight > 0:
-        loss = loss + lm_weight * token_loss[~is_answer].mean()
+        terms["lm"] = (lm_weight, token_loss[~is_answer].mean())
     if probe is not None and probe_weight > 0 and batch.probe_rows.numel():
-        loss = loss + probe_weight * probe(output.hidden_states, batch)
+        terms["probe"] = (probe_weight, probe(output.hidden_states, batch))
+    if supervise_attention:
+        terms["attention"] = (
+            attention_weight,
+            attention_loss(model, output.hidden_states, batch, attention_layer),
+        )
+        terms["copy"] = (
+            attention_weight, copy_loss(model, output.hidden_states, batch, attention_layer)
+        )
+    total = sum((weight * term for weight, term in terms.values()), torch.zeros(()))
     predicted = logits[batch.rows, batch.positions - 1].argmax(-1)
-    return loss, predicted == targets[batch.rows, batch.positions - 1]
+    return StepLoss(
+        total,
+        {name: term.item() for name, (_, term) in terms.items()},
+        predicted == targets[batch.rows, batch.positions - 1],
+    )
 
 
 @torch.no_grad()
@@ -307,6 +469,7 @@ def train(config: TrainConfig, log: Log = print) -> LlamaForCausalLM:
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     model = LlamaForCausalLM(model_config(config))
+    nn.init.normal_(model.model.embed_tokens.weight, std=config.embedding_std)
     probe = NameProbe(config.d_model, config.probe_layer)
     optimizer = torch.optim.AdamW(
         [*model.parameters(), *probe.parameters()], lr=config.lr, betas=(0.9, 0.98),
@@ -346,15 +509,19 @@ def _run_stage(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step, steps_left)
         batch = make_batch(stage, batch_size, rng)
-        loss, correct = answer_loss(model, batch, config.lm_weight, probe, config.probe_weight)
+        result = training_loss(
+            model, batch, config.lm_weight, probe, config.probe_weight,
+            config.attention_weight, config.attention_layer,
+        )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        result.total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        accuracy, step = running.update(correct), step + 1
+        accuracy, step = running.update(result.correct), step + 1
         if step % 10 == 0:
-            log(f"step {step} len {stage.tokens} loss {loss.item():.4f} acc {accuracy:.3f} "
-                f"wall_s {time.monotonic() - started:.0f}")
+            parts = " ".join(f"{name} {value:.3f}" for name, value in result.parts.items())
+            log(f"step {step} len {stage.tokens} loss {result.total.item():.4f} ({parts}) "
+                f"acc {accuracy:.3f} wall_s {time.monotonic() - started:.0f}")
         if step % config.eval_every == 0:
             _evaluate_and_snapshot(config, model, step, log)
         if not last and stage_step + 1 >= stage.min_steps and accuracy >= stage.target_accuracy:

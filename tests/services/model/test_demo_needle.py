@@ -113,11 +113,12 @@ def test_prompt_arguments_are_validated_by_name(kwargs: dict, field: str) -> Non
     st.floats(min_value=0.0, max_value=0.95),
     st.floats(min_value=0.0, max_value=1.0),
     st.integers(min_value=0, max_value=2**31),
+    st.integers(min_value=1, max_value=12),
 )
 def test_training_sequence_answers_every_question_from_its_fact(
-    tokens: int, filler_share: float, before_share: float, seed: int
+    tokens: int, filler_share: float, before_share: float, seed: int, min_facts: int
 ) -> None:
-    mix = DocumentMix(tokens, filler_share, before_share, gap_min=8, gap_max=64)
+    mix = DocumentMix(tokens, filler_share, before_share, gap_min=8, gap_max=64, min_facts=min_facts)
     document = needle.build_training_sequence(mix, random.Random(seed))
     assert document == needle.build_training_sequence(mix, random.Random(seed))
     words = document.words
@@ -132,6 +133,10 @@ def test_training_sequence_answers_every_question_from_its_fact(
     for name, position in zip(questions, document.answer_positions, strict=True):
         assert words[position - 2 : position] == ("answer", ":")
         assert words[position] == codes[name]
+    if questions:
+        first_question = words.index("what")
+        stated = sum(1 for i in range(first_question) if words[i] == "is" and words[i - 2] == "of")
+        assert stated >= min(min_facts, len(codes)), "no question before min_facts facts"
 
 
 def test_training_mix_is_validated_by_name() -> None:
