@@ -12,7 +12,8 @@ TYPED := services/kvpolicy services/transfer services/policy services/offload se
 	services/model/kvcache.py services/model/layers.py services/model/loader.py \
 	services/model/model.py services/model/runtime.py services/model/sampler.py \
 	services/model/tokenizer.py \
-	policy_service prefill_worker decode_worker services/gateway services/launcher services/cli.py
+	policy_service prefill_worker decode_worker services/gateway services/launcher services/cli.py \
+	services/evaluation services/benchmark
 
 .PHONY: setup demo test lint typecheck pytest proto clean
 

@@ -9,6 +9,7 @@ one mapping in `services.rpc.errors` turns it into a status code at the RPC edge
 | `StaleTransfer`      | FAILED_PRECONDITION | the fence says the received state is not current      |
 | `ViewRejected`       | FAILED_PRECONDITION | payload or receipt does not match what was promised   |
 | `TransferFailed`     | UNAVAILABLE         | receive failed, timed out, or verification could not run |
+| `RecallAborted`      | UNAVAILABLE         | a recall's rows did not come back and the manifest says `fail_request` |
 | `CapacityExhausted`  | RESOURCE_EXHAUSTED  | KV byte budget or pair-group slots are used up        |
 """
 
@@ -65,6 +66,13 @@ class TransferFailed(rpc_errors.Unavailable, DecodeWorkerError):
     """The KV state did not arrive or could not be verified in time; retry elsewhere."""
 
     reason = common_pb2.ERROR_REASON_TRANSFER_FAILED
+
+
+class RecallAborted(rpc_errors.Unavailable, DecodeWorkerError):
+    """A recall's rows did not come back (in time, or at all) and the manifest's
+    `timeout_fallback` is `fail_request`: the request ends; tokens already streamed stay valid."""
+
+    reason = common_pb2.ERROR_REASON_RECALL_TIMEOUT
 
 
 class CapacityExhausted(rpc_errors.ResourceExhausted, DecodeWorkerError):

@@ -13,6 +13,18 @@ token to its request's sink → release finished requests. The first output toke
 by the prefill worker; the loop feeds it and emits tokens 1, 2, ... . Every step appends one
 row to every owner of a request, so its cache generation advances by one per step.
 
+Requests of recallable manifests carry a `RecallSession` (services/offload/recall.py): their
+batch steps run through `decode_with_recall`, which bounds each due request's omitted mass,
+fetches pages, publishes the successor state and recomputes the step. Every recall is one
+`kv.recall` span in the request's trace and counted in the metrics; a fallback taken is
+recorded in the request's `DecodeFinished.fallbacks`, and a recall that fails under
+`fail_request` ends the request with `DecodeFailed(recall=outcome)`.
+
+Requests are named by their request id in the cache (the recall engine reads a request's
+slot by the id of its state). A request generation supersedes an older one of the same
+request: admitting it cancels the older one; `cancel(request_id, generation)` touches only
+that generation.
+
 Each request's steps are traced in its own trace (`DecodeRequest.trace_parent`, the prefill
 worker's transfer.send) as `decode.step` spans of up to `trace_steps_per_span` steps each:
 trace volume grows with steps / N, not with every token of every request in the batch.
@@ -32,7 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from opentelemetry import trace
@@ -50,8 +62,9 @@ from services.model import (
     sample,
 )
 from services.model.errors import ModelError
+from services.offload.recall import RecallOutcome, RecallSession, RecallStatus, decode_with_recall
 from services.telemetry import metrics
-from services.telemetry.spans import start_span
+from services.telemetry.spans import record_span, start_span
 from services.transfer import ViewLayout
 
 log = logging.getLogger(__name__)
@@ -71,19 +84,27 @@ class TokenOut:
 
 @dataclass(frozen=True)
 class DecodeFinished:
-    """The request stopped (`reason`: eos, stop, length or cancelled) and its KV is released."""
+    """The request stopped (`reason`: eos, stop, length or cancelled) and its KV is released.
+    Recall: how many recalls merged rows, the rows and bytes they brought, and the declared
+    fallbacks taken (e.g. "recall_timeout:continue_lossy")."""
 
     reason: str
     output_tokens: int
     cache_generation: int
     tpot_ms: float
+    recall_count: int = 0
+    recalled_rows: int = 0
+    recalled_bytes: int = 0
+    fallbacks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class DecodeFailed:
-    """The request could not be decoded; its KV is released."""
+    """The request could not be decoded; its KV is released. `recall` is the recall outcome
+    that ended it (the manifest said `fail_request`, or its successor state was rejected)."""
 
     message: str
+    recall: RecallOutcome | None = None
 
 
 DecodeEvent = TokenOut | DecodeFinished | DecodeFailed
@@ -100,12 +121,16 @@ def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[DecodeEve
     return push
 
 
-def reservation_bytes(layout: ViewLayout, max_tokens: int, cache_dtype: torch.dtype) -> int:
-    """KV bytes a request can occupy in the decode cache: the view's rows plus one row per
-    (layer, owner) for each of its `max_tokens - 1` decode steps, K and V at the cache dtype,
-    and an int32 original position per row."""
-    rows = layout.total_rows + max(0, max_tokens - 1) * layout.num_layers * layout.num_owners
-    return rows * (2 * layout.head_dim * cache_dtype.itemsize + POSITION_DTYPE.itemsize)
+def reservation_bytes(
+    layout: ViewLayout, max_tokens: int, cache_dtype: torch.dtype, recallable_rows: int = 0, host_bytes: int = 0
+) -> int:
+    """KV bytes a request can occupy on this worker: in the decode cache, the view's rows, the
+    omitted rows recall may bring back (`recallable_rows`), and one row per (layer, owner) for
+    each of its `max_tokens - 1` decode steps, K and V at the cache dtype and an int32
+    original position per row; plus `host_bytes` of host-tier rows (recallable_local)."""
+    decoded = max(0, max_tokens - 1) * layout.num_layers * layout.num_owners
+    rows = layout.total_rows + recallable_rows + decoded
+    return rows * (2 * layout.head_dim * cache_dtype.itemsize + POSITION_DTYPE.itemsize) + host_bytes
 
 
 class Reservation:
@@ -158,8 +183,9 @@ class KVBudget:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """A verified view, ready to decode. `request_id` names it in the cache and in `cancel`;
-    `frontier` is the original position of `first_token` (output token 0)."""
+    """A verified view, ready to decode. `request_id` names it in the cache and in `cancel`
+    (with `request_generation`); `frontier` is the original position of `first_token`
+    (output token 0); `recall` is its recall session (recallable manifests only)."""
 
     request_id: str
     view: PackedKVView
@@ -172,6 +198,8 @@ class DecodeRequest:
     sink: EventSink
     owner_to_kv_head: OwnerMap = None
     trace_parent: Context | None = None
+    request_generation: int = 0
+    recall: RecallSession | None = None
 
 
 @dataclass
@@ -186,6 +214,10 @@ class _Running:
     last_token_at: float
     step_span: trace.Span | None = None
     span_steps: int = 0
+    recall_count: int = 0
+    recalled_rows: int = 0
+    recalled_bytes: int = 0
+    fallbacks: list[str] = field(default_factory=list)
 
 
 class DecodeScheduler:
@@ -202,7 +234,7 @@ class DecodeScheduler:
         self._caches: dict[OwnerMap, DecodeCache] = {}
         self._running: dict[str, _Running] = {}
         self._pending: deque[DecodeRequest] = deque()
-        self._cancels: set[str] = set()
+        self._cancels: set[tuple[str, int | None]] = set()
         self._stopping = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
@@ -240,10 +272,11 @@ class DecodeScheduler:
             self._pending.append(request)
             self._cond.notify_all()
 
-    def cancel(self, request_id: str) -> None:
-        """Drop a request (no-op if unknown or done); its KV is released before the next step."""
+    def cancel(self, request_id: str, generation: int | None = None) -> None:
+        """Drop a request (no-op if unknown or done); its KV is released before the next step.
+        With `generation`, only that request generation is dropped."""
         with self._cond:
-            self._cancels.add(request_id)
+            self._cancels.add((request_id, generation))
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -270,18 +303,27 @@ class DecodeScheduler:
             if self._stopping:
                 return None
             cancelled, self._cancels = list(self._cancels), set()
-            for request in [r for r in self._pending if r.request_id in cancelled]:
+            for request in [r for r in self._pending if _matches(r, cancelled)]:
                 self._pending.remove(request)
                 self._release(request, DecodeFinished(FINISH_CANCELLED, 1, request.cache_generation, 0.0))
             room = self.config.max_batch - len(self._running)
             admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-            return admitted, [c for c in cancelled if c in self._running]
+            running = [r.request.request_id for r in self._running.values() if _matches(r.request, cancelled)]
+            return admitted, running
 
     def _has_work(self) -> bool:
         fits = bool(self._pending) and len(self._running) < self.config.max_batch
         return self._stopping or bool(self._cancels) or fits or bool(self._running)
 
     def _admit(self, request: DecodeRequest) -> None:
+        older = self._running.get(request.request_id)
+        if older is not None:
+            if older.request.request_generation >= request.request_generation:
+                self._release(request, DecodeFailed(
+                    f"request generation {request.request_generation} is superseded by "
+                    f"{older.request.request_generation}, which is decoding here"))
+                return
+            self._finish(older, FINISH_CANCELLED)  # a newer generation fences the older out
         reason = finish_reason(request.first_token, 1, request.max_tokens, request.sampling, self._eos)
         if reason is not None:  # the prefill worker's token already ends it
             self._release(request, DecodeFinished(reason, 1, request.cache_generation, 0.0))
@@ -303,15 +345,65 @@ class DecodeScheduler:
         metrics.DECODE_BATCH.observe(len(batch))
         for running in batch:
             self._trace_step(running, len(batch))
-        logits = decode_step(self.loaded.model, cache, [r.last_token for r in batch])  # [B, V]
+        logits, failed = self._forward(cache, batch)  # [B, V]
         tokens = sample(logits, [r.request.sampling for r in batch], [r.generated for r in batch])  # [B]
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]  # [B]
-        metrics.DECODE_TOKENS.inc(len(batch))
+        metrics.DECODE_TOKENS.inc(len(batch) - len(failed))
         now = time.monotonic()
         for running, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+            outcome = failed.get(running.request.request_id)
+            if outcome is not None:
+                self._fail(running.request.request_id, f"recall failed: {outcome.reason}", outcome)
+                continue
             self._advance(running, int(token), float(logprob), now)
             if running.span_steps >= self.config.trace_steps_per_span:
                 self._end_step_span(running)
+
+    def _forward(self, cache: DecodeCache, batch: list[_Running]) -> tuple[torch.Tensor, dict[str, RecallOutcome]]:
+        """One batched step: plain, or through the recall engine when a request has a session.
+        Returns the logits `[B, V]` and the recall outcomes that end their request."""
+        tokens = [r.last_token for r in batch]
+        sessions = {r.request.request_id: r.request.recall for r in batch if r.request.recall is not None}
+        if not sessions:
+            return decode_step(self.loaded.model, cache, tokens), {}
+        step = decode_with_recall(self.loaded.model, cache, tokens, sessions)
+        failed = {}
+        for running in batch:
+            outcome = step.outcomes.get(running.request.request_id)
+            if outcome is not None and outcome.evaluated:
+                self._account_recall(running, outcome)
+                if outcome.status is RecallStatus.FAILED:
+                    failed[running.request.request_id] = outcome
+        return step.logits, failed
+
+    def _account_recall(self, running: _Running, outcome: RecallOutcome) -> None:
+        """Metrics, the `kv.recall` span, and the request's recall totals and fallbacks."""
+        if not outcome.pages:
+            return  # evaluated, below the threshold: nothing was fetched
+        kind = recall_kind(outcome)
+        metrics.RECALLS.labels(kind).inc()
+        metrics.RECALL_SECONDS.observe(outcome.latency_s)
+        if outcome.recalled:
+            running.recall_count += 1
+            running.recalled_rows += outcome.rows
+            running.recalled_bytes += outcome.nbytes
+            metrics.RECALL_ROWS.inc(outcome.rows)
+            metrics.RECALL_BYTES.inc(outcome.nbytes)
+        else:
+            fallback = recall_fallback(outcome)
+            running.fallbacks.append(fallback)
+            metrics.RECALL_FALLBACKS.labels(fallback).inc()
+        successor = outcome.successor
+        record_span(
+            "kv.recall", running.request.trace_parent, outcome.latency_s,
+            error=None if outcome.recalled else outcome.reason,
+            request_id=running.request.request_id, request_generation=running.request.request_generation,
+            step=outcome.step, outcome=kind, pages=len(outcome.pages), rows=outcome.rows,
+            bytes=outcome.nbytes, latency_ms=outcome.latency_s * 1000.0, mass_bound=outcome.mass_bound,
+            full_recall=outcome.full_recall, timed_out=outcome.timed_out, reason=outcome.reason,
+            state_generation=successor.state_generation if successor else None,
+            cache_generation=successor.cache_generation if successor else None,
+        )
 
     def _trace_step(self, running: _Running, batch_size: int) -> None:
         """Count a step into the request's open decode.step span, opening one if needed."""
@@ -351,19 +443,28 @@ class DecodeScheduler:
             metrics.DECODE_TPOT.observe(tpot_ms / 1000.0)
         self._end_step_span(running, finish_reason=reason)
         self._drop(running.request.request_id)
-        self._release(running.request, DecodeFinished(reason, running.generated, running.cache_generation, tpot_ms))
+        self._release(running.request, DecodeFinished(
+            reason, running.generated, self._cache_generation(running), tpot_ms, running.recall_count,
+            running.recalled_rows, running.recalled_bytes, tuple(running.fallbacks),
+        ))
+
+    @staticmethod
+    def _cache_generation(running: _Running) -> int:
+        """The session counts recalls too; without one, one generation per decoded row."""
+        session = running.request.recall
+        return session.cache_generation if session is not None else running.cache_generation
 
     def _cancel_running(self, request_id: str) -> None:
         running = self._running.get(request_id)
         if running is not None:
             self._finish(running, FINISH_CANCELLED)
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _fail(self, request_id: str, message: str, recall: RecallOutcome | None = None) -> None:
         running = self._running.get(request_id)
         if running is not None:
             self._end_step_span(running, error=message)
             self._drop(request_id)
-            self._release(running.request, DecodeFailed(message))
+            self._release(running.request, DecodeFailed(message, recall))
 
     def _drop(self, request_id: str) -> None:
         running = self._running.pop(request_id)
@@ -394,3 +495,28 @@ class DecodeScheduler:
             pending, self._pending = list(self._pending), deque()
         for request in pending:
             self._release(request, DecodeFailed("the decode worker is stopping"))
+
+
+def recall_kind(outcome: RecallOutcome) -> str:
+    """The metrics label of a recall that fetched: ok, timeout, unavailable or rejected."""
+    if outcome.recalled:
+        return "ok"
+    if outcome.timed_out:
+        return "timeout"
+    if outcome.status is RecallStatus.FAILED and outcome.reason and outcome.reason.startswith("successor"):
+        return "rejected"
+    return "unavailable"
+
+
+def recall_fallback(outcome: RecallOutcome) -> str:
+    """The declared fallback a failed recall took, e.g. "recall_timeout:continue_lossy"."""
+    cause = "recall_timeout" if outcome.timed_out else "recall_unavailable"
+    action = "continue_lossy" if outcome.status is RecallStatus.CONTINUED_LOSSY else "fail_request"
+    return f"{cause}:{action}"
+
+
+def _matches(request: DecodeRequest, cancels: list[tuple[str, int | None]]) -> bool:
+    return any(
+        request.request_id == request_id and generation in (None, request.request_generation)
+        for request_id, generation in cancels
+    )

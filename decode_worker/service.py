@@ -6,10 +6,15 @@ validates the descriptor, reserves the KV bytes the request can occupy (over bud
 RESOURCE_EXHAUSTED), posts the receives and returns at once; a background task then
 
     receives the view (by the descriptor's deadline)          span transfer.recv
+      and its sidecar (page summaries; host-tier rows for recallable_local)
     verifies it before any use                                span kv.verify
         manifest fits the model → view matches the descriptor → receipt digest recomputes
-        from the received positions → the fence says this state is current for its g_r
-    submits it to the continuous-batching decode loop
+        from the received positions → the fence says this state is current for its g_r →
+        the summaries (and host-tier rows) cover exactly the omitted positions
+    submits it to the continuous-batching decode loop, with a recall session for a
+    recallable manifest (decode_worker/recall.py: where pages come from, how successor
+    states are published); for recallable_remote the offload lease is renewed while the
+    request lives and the rows released when it ends
 
 Anything that fails releases the reservation and is recorded (`rejections`); nothing partial is
 decoded. `StreamTokens` waits for verification (failed: FAILED_PRECONDITION for a rejected
@@ -37,15 +42,24 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.errors import (
     CapacityExhausted,
     DuplicateTransfer,
+    RecallAborted,
     StaleTransfer,
     TransferFailed,
     TransferInvalid,
     UnknownTransfer,
     ViewRejected,
 )
+from decode_worker.offload_lease import LeaseKeeper, OffloadChannels
+from decode_worker.recall import (
+    LocalPageFetcher,
+    RemoteHandoff,
+    RemotePageFetcher,
+    SuccessorPublisher,
+)
 from decode_worker.scheduler import (
     FINISH_CANCELLED,
     DecodeEvent,
+    DecodeFailed,
     DecodeFinished,
     DecodeRequest,
     DecodeScheduler,
@@ -54,14 +68,22 @@ from decode_worker.scheduler import (
     asyncio_sink,
     reservation_bytes,
 )
-from decode_worker.verify import check_fence, check_manifest, check_view, recompute_receipt
+from decode_worker.verify import (
+    check_fence,
+    check_manifest,
+    check_offload,
+    check_view,
+    recompute_receipt,
+    verified_state,
+)
 from decode_worker.wire import IncomingTransfer, incoming_from_proto, ledger_to_proto
 from services.kvpolicy.errors import KVPolicyError
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest, RecoverabilityMode
 from services.kvpolicy.packing import PackedKVView
 from services.kvpolicy.receipt import Receipt
 from services.model import LoadedModel
 from services.model.sampler import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from services.offload.recall import PageFetcher, RecallSession
 from services.policy import Fence, NotFound, PolicyClient, PolicyError
 from services.rpc.errors import ServiceError, maps_errors, reject_unknown_fields
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -72,6 +94,7 @@ from services.transfer import (
     KVReceiver,
     PairGroupsExhausted,
     RecvTransfer,
+    Sidecar,
     TransferError,
     TransferMismatch,
 )
@@ -105,6 +128,10 @@ class _Transfer:
         self.verified = asyncio.Event()
         self.error: ServiceError | None = None
         self.receipt: Receipt | None = None
+        self.sidecar: Sidecar | None = None
+        self.session: RecallSession | None = None
+        self.publisher: SuccessorPublisher | None = None
+        self.lease: LeaseKeeper | None = None
         self.trace_parent: Context | None = None
         self.bytes_moved = 0
         self.stream_open = False
@@ -115,6 +142,14 @@ class _Transfer:
     @property
     def key(self) -> str:
         return str(self.incoming.descriptor.key)
+
+    @property
+    def request_id(self) -> str:
+        return self.incoming.receipt.request_id
+
+    @property
+    def request_generation(self) -> int:
+        return self.incoming.receipt.request_generation
 
     @property
     def transfer_id(self) -> str:
@@ -144,6 +179,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self._transfers: dict[str, _Transfer] = {}
         self._manifests: collections.OrderedDict[str, KVVisibilityPolicyManifest] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
+        self._offload = OffloadChannels(config.server.max_message_bytes)
 
     @property
     def open_transfers(self) -> int:
@@ -171,8 +207,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if descriptor.transfer_id in self._transfers:
             raise DuplicateTransfer("is already accepted", field="descriptor.transfer_id")
         deadline = self._deadline(incoming)
-        nbytes = reservation_bytes(descriptor.layout, incoming.max_tokens, self.loaded.dtype)
+        offload = incoming.offload
+        sidecar = descriptor.sidecar
+        nbytes = reservation_bytes(
+            descriptor.layout, incoming.max_tokens, self.loaded.dtype,
+            recallable_rows=offload.omitted_rows if offload.recallable else 0,
+            host_bytes=sidecar.host_tier_bytes if sidecar is not None else 0,
+        )
         record = _Transfer(incoming, self.scheduler.budget.reserve(nbytes, f"transfer {descriptor.key}"), deadline)
+        record.lease = self._lease(incoming)
         self._transfers[record.transfer_id] = record
         try:
             record.recv = await self._start_recv(record)
@@ -213,7 +256,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     yield decode_pb2.DecodeEvent(summary=self._summary(record, event))
                     return
                 else:
-                    raise DecodeAborted(event.message)
+                    raise _failure(record, event)
         finally:
             self._close(record, "stream ended")
 
@@ -224,6 +267,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self._offload.close()
 
     # --- accept --------------------------------------------------------------------------
 
@@ -260,6 +304,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 assert record.recv is not None
                 with metrics.timed(metrics.TRANSFER_SECONDS.labels("recv")):
                     view = await self._in_thread(record.recv.wait_for_view, record.deadline)
+                    record.sidecar = await self._in_thread(record.recv.wait_for_sidecar, record.deadline)
                 record.bytes_moved = record.recv.bytes_moved
                 current.set_attribute("bytes_moved", record.bytes_moved)
             metrics.TRANSFER_BYTES.labels("recv").inc(record.bytes_moved)
@@ -267,7 +312,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 manifest = await self._manifest(record.incoming.receipt.manifest_sha256)
                 current.set_attribute("manifest_name", manifest.name)
                 record.receipt = await self._verify(record, manifest, view)
-                current.set_attributes({"retained_rows": view.total_rows, "receipt_digest": record.receipt.digest})
+                record.session = self._recall_session(record, manifest)
+                current.set_attributes({"retained_rows": view.total_rows, "receipt_digest": record.receipt.digest,
+                                        "recoverability": record.incoming.offload.mode.value,
+                                        "offload_degraded": record.incoming.offload.degraded or None})
                 log.info("transfer %s verified: %d rows, %d bytes from %s", record.key, view.total_rows,
                          record.bytes_moved, record.incoming.descriptor.source_worker)
         except TransferError as exc:
@@ -284,6 +332,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         def pure_checks() -> Receipt:
             check_manifest(manifest, claim, self.loaded.tensor_contract)
             check_view(view, manifest, claim, layout)
+            check_offload(manifest, record.incoming.offload, record.sidecar, view, claim)
             return recompute_receipt(manifest, claim, view)
 
         receipt = await self._in_thread(pure_checks)
@@ -321,9 +370,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         if not record.closed:
             incoming = record.incoming
             owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+            if incoming.offload.degraded:
+                metrics.RECALL_FALLBACKS.labels(incoming.offload.degraded).inc()
             self.scheduler.submit(
                 DecodeRequest(
-                    request_id=record.key,
+                    request_id=record.request_id,
+                    request_generation=record.request_generation,
+                    recall=record.session,
                     view=view,
                     frontier=incoming.receipt.end,
                     first_token=incoming.first_token_id,
@@ -339,10 +392,54 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             record.submitted = True
         record.verified.set()
 
+    def _recall_session(self, record: _Transfer, manifest: KVVisibilityPolicyManifest) -> RecallSession | None:
+        """The recall session of a recallable request: its pages come from the host tier
+        (local) or the prefill worker's store (remote, whose lease is kept from now on)."""
+        offload, sidecar, receipt = record.incoming.offload, record.sidecar, record.receipt
+        if not offload.recallable or sidecar is None or receipt is None:
+            return None
+        loop = asyncio.get_running_loop()
+        record.publisher = SuccessorPublisher(
+            self.policy, loop, prefill_worker=record.incoming.descriptor.source_worker,
+            decode_worker=self.config.worker_id, timeout_s=self.config.policy_timeout_s,
+        )
+        fetch: PageFetcher
+        if offload.mode is RecoverabilityMode.RECALLABLE_LOCAL:
+            assert sidecar.host_rows is not None  # checked by offload_from_proto
+            fetch = LocalPageFetcher(sidecar.host_rows)
+        else:
+            assert record.lease is not None  # every recallable_remote transfer has one
+
+            def parent_state() -> int:
+                return session.state.state_generation
+
+            lease = record.lease
+            fetch = RemotePageFetcher(lease.handoff, lease.stub, self.receiver, loop, parent_state,
+                                      record.incoming.descriptor.trace_context)
+        try:
+            state = verified_state(record.incoming.receipt, receipt)
+            session = RecallSession(manifest, sidecar.summaries, fetch, state=state, on_successor=record.publisher)
+        except KVPolicyError as exc:
+            raise ViewRejected(f"no recall session: {exc.reason}", field=exc.field) from None
+        if record.lease is not None:
+            record.lease.start()
+        return session
+
+    def _lease(self, incoming: IncomingTransfer) -> LeaseKeeper | None:
+        """The (not yet started) lease keeper of a recallable_remote transfer's offloaded rows."""
+        offload = incoming.offload
+        if offload.mode is not RecoverabilityMode.RECALLABLE_REMOTE:
+            return None
+        claim = incoming.receipt
+        handoff = RemoteHandoff(claim.request_id, claim.request_generation, offload.handoff_id, offload.address)
+        return LeaseKeeper(handoff, self._offload.stub(offload.address), offload.lease_ms, self.config.policy_timeout_s)
+
     def _reject(self, record: _Transfer, error: ServiceError) -> None:
         record.error = error
         record.verified.set()
         record.reservation.release()
+        if record.lease is not None:  # nobody will recall the offloaded rows
+            record.lease.release_soon()
         if record.recv is not None:
             record.recv.cancel(str(error))
         self.rejections[f"{type(error).__name__}:{error.field}"] += 1
@@ -397,17 +494,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     def _summary(self, record: _Transfer, finished: DecodeFinished) -> decode_pb2.DecodeSummary:
         claim = record.incoming.receipt
+        published = record.publisher.published if record.publisher is not None else []
+        state, parent = (
+            (published[-1].state_generation, published[-1].parent_state_generation)
+            if published
+            else (claim.state_generation, claim.parent_state_generation)
+        )
+        ledger = ledger_to_proto(record.incoming.ledger, record.bytes_moved)
+        ledger.recalled_bytes = finished.recalled_bytes
+        degraded = (record.incoming.offload.degraded,) if record.incoming.offload.degraded else ()
         return decode_pb2.DecodeSummary(
             output_tokens=finished.output_tokens,
             tpot_ms=finished.tpot_ms,
             finish_reason=_FINISH_REASONS[finished.reason],
             generations=common_pb2.Generations(
                 request_generation=claim.request_generation,
-                state_generation=claim.state_generation,
-                parent_state_generation=claim.parent_state_generation,
+                state_generation=state,
+                parent_state_generation=parent,
                 cache_generation=finished.cache_generation,
             ),
-            ledger=ledger_to_proto(record.incoming.ledger, record.bytes_moved),
+            ledger=ledger,
+            recalled_rows=finished.recalled_rows,
+            recall_count=finished.recall_count,
+            fallbacks=[*degraded, *finished.fallbacks],
             verified_receipt_digest=record.receipt.digest if record.receipt else "",
             retained_rows=record.incoming.descriptor.layout.total_rows,
         )
@@ -434,8 +543,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         for task in record.tasks:
             if task is not current:
                 task.cancel()
+        if record.lease is not None:
+            record.lease.release_soon()
         if record.submitted:
-            self.scheduler.cancel(record.key)
+            self.scheduler.cancel(record.request_id, record.request_generation)
         else:
             record.reservation.release()
             if record.recv is not None:
@@ -453,6 +564,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+
+def _failure(record: _Transfer, failed: DecodeFailed) -> ServiceError:
+    """The error a failed decode ends its stream with: a recall that could not bring rows
+    back under `fail_request` (RecallAborted), a recall whose successor state the fence
+    refused (StaleTransfer), or anything else (DecodeAborted)."""
+    outcome = failed.recall
+    if outcome is None:
+        return DecodeAborted(failed.message)
+    rejected = record.publisher.rejected if record.publisher is not None else None
+    if rejected is not None and not outcome.timed_out:
+        return StaleTransfer(f"recall: {rejected}", field="state_generation", current=rejected.current)
+    what = "timed out" if outcome.timed_out else "could not bring its rows back"
+    return RecallAborted(f"recall of {len(outcome.pages)} pages {what}: {outcome.reason}", field="recall")
 
 
 def _cancel_orphan(future: asyncio.Future[RecvTransfer]) -> None:

@@ -8,7 +8,9 @@ calls these in order —
     check_view(view, manifest, claim, layout)         # shapes, dtypes, offsets, positions
     recompute_receipt(manifest, claim, view)          # digest over what actually arrived
     check_fence(fence, claim)                         # this state is current for its g_r
+    check_offload(manifest, offload, sidecar, view, claim)   # recallable manifests: summaries
 
+`verified_state` is the state a verified view realizes, what recall builds successors on.
 Each raises a typed error naming what disagrees (`ViewRejected`, `StaleTransfer`).
 """
 
@@ -17,15 +19,23 @@ from __future__ import annotations
 import torch
 
 from decode_worker.errors import StaleTransfer, ViewRejected
-from decode_worker.wire import ReceiptClaim
+from decode_worker.wire import OffloadClaim, ReceiptClaim
 from services.kvpolicy import snapkv
 from services.kvpolicy.errors import PackingError, ReceiptMismatch
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest, SelectionMethod, TensorContract
+from services.kvpolicy.manifest import (
+    KVVisibilityPolicyManifest,
+    RecoverabilityMode,
+    SelectionMethod,
+    TensorContract,
+)
 from services.kvpolicy.packing import PackedKVView, validate_view
 from services.kvpolicy.receipt import Receipt, verify_receipt
+from services.kvpolicy.state import KVPolicyState
 from services.kvpolicy.static import static_protected_positions
+from services.offload.errors import OffloadError
+from services.offload.pages import OmittedRows, PageSummaries, validate_against_view
 from services.policy.types import Fence
-from services.transfer import ViewLayout
+from services.transfer import Sidecar, ViewLayout
 
 _SHAPE_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim")
 
@@ -129,3 +139,72 @@ def check_fence(fence: Fence | None, claim: ReceiptClaim) -> None:
             raise StaleTransfer(f"fence has {current}, the transfer carries {received}", field=field, current=fence)
     if fence.ended:
         raise StaleTransfer(f"request {claim.request_id!r} has ended", field="phase", current=fence)
+
+
+def check_offload(
+    manifest: KVVisibilityPolicyManifest,
+    offload: OffloadClaim,
+    sidecar: Sidecar | None,
+    view: PackedKVView,
+    claim: ReceiptClaim,
+) -> None:
+    """The descriptor's recoverability is the manifest's (or irrecoverable, degraded from
+    recallable_remote with a reason); the page summaries use the manifest's page size and,
+    with the retained rows, cover every position below the frontier exactly once; host-tier
+    rows are exactly the paged positions, and their keys span exactly each page's min/max."""
+    contract = manifest.recoverability
+    degraded = (
+        offload.mode is RecoverabilityMode.OMITTED_IRRECOVERABLE
+        and contract.mode is RecoverabilityMode.RECALLABLE_REMOTE
+        and bool(offload.degraded)
+    )
+    if offload.mode is not contract.mode and not degraded:
+        raise ViewRejected(
+            f"descriptor says {offload.mode.value}, the manifest {contract.mode.value}",
+            field="descriptor.recoverability",
+        )
+    if sidecar is None:
+        return
+    summaries = sidecar.summaries
+    if summaries.page_size != contract.page_size:
+        raise ViewRejected(
+            f"{summaries.page_size}, the manifest says {contract.page_size}", field="descriptor.page_size"
+        )
+    try:
+        validate_against_view(summaries, view.selected_positions(), claim.end)
+    except OffloadError as exc:
+        raise ViewRejected(exc.reason, field=f"sidecar.{exc.field}") from None
+    if sidecar.host_rows is not None:
+        _check_host_rows(summaries, sidecar.host_rows)
+
+
+def verified_state(claim: ReceiptClaim, receipt: Receipt) -> KVPolicyState:
+    """The state a verified view realizes (what recall builds its successors on)."""
+    return KVPolicyState(
+        request_id=claim.request_id,
+        manifest_sha256=claim.manifest_sha256,
+        request_generation=claim.request_generation,
+        state_generation=claim.state_generation,
+        parent_state_generation=claim.parent_state_generation,
+        cache_generation=claim.cache_generation,
+        frontier=claim.frontier,
+        selected_positions=receipt.selected_positions,
+        protected_positions=receipt.protected_positions,
+        position_origin=claim.position_origin,
+    )
+
+
+def _check_host_rows(summaries: PageSummaries, rows: OmittedRows) -> None:
+    _, positions = summaries.rows()  # [N], page after page
+    counts = (rows.page_rows[1:] - rows.page_rows[:-1]).long()  # [P_total]
+    if not torch.equal(counts, summaries.page_count.long()):
+        raise ViewRejected("row counts per page differ from the summaries", field="sidecar.page_rows")
+    if not torch.equal(rows.positions.long(), positions):
+        raise ViewRejected("positions differ from the paged positions", field="sidecar.omitted_positions")
+    page = torch.repeat_interleave(torch.arange(summaries.num_pages), counts)[:, None].expand(-1, summaries.head_dim)
+    keys = rows.k.float()  # [N, d_h]
+    empty = torch.zeros(summaries.num_pages, summaries.head_dim)
+    low = empty.scatter_reduce(0, page, keys, "amin", include_self=False)  # [P_total, d_h]
+    high = empty.scatter_reduce(0, page, keys, "amax", include_self=False)
+    if not (torch.equal(low, summaries.page_min.float()) and torch.equal(high, summaries.page_max.float())):
+        raise ViewRejected("keys do not span their pages' summaries", field="sidecar.omitted_k")

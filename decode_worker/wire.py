@@ -2,9 +2,10 @@
 
 `incoming_from_proto` turns an `AcceptTransferRequest`'s descriptor into an
 `IncomingTransfer`: the transfer layer's `TransferDescriptor` (key, pair group, tensor
-layout) plus everything the decode side needs to verify and decode the view — what the
-receipt claims, the first token, the sampling parameters and the ledger. Every malformed
-field raises `TransferInvalid` naming it (dotted from the request: `descriptor.sampling.top_p`).
+layout, sidecar) plus everything the decode side needs to verify, decode and recall — what
+the receipt claims, the first token, the sampling parameters, the ledger and what became of
+the omitted rows (`OffloadClaim`). Every malformed field raises `TransferInvalid` naming it
+(dotted from the request: `descriptor.sampling.top_p`).
 
 Sampling on the wire: temperature 0 = greedy; top_k 0 and top_p 0 (or 1) disable those
 filters; seed 0 = unseeded; `max_tokens` counts every output token, the first one included.
@@ -17,12 +18,14 @@ import re
 from dataclasses import dataclass, fields
 
 from decode_worker.errors import TransferInvalid
+from services.kvpolicy.manifest import RecoverabilityMode
 from services.model.errors import InvalidModelInput
 from services.model.sampler import SamplingParams
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
 from services.transfer import DescriptorInvalid, TransferDescriptor, from_proto
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_ADDRESS = re.compile(r"[^\s/]+:\d{1,5}")
 _INT32_MAX = 2**31 - 1
 
 
@@ -61,11 +64,37 @@ class LedgerClaim:
     query_expanded_demand_bytes: int = 0
     bytes_moved: int = 0
     recalled_bytes: int = 0
+    page_summary_bytes: int = 0
+    host_tier_bytes: int = 0
 
     @property
     def traffic_bytes(self) -> int:
-        """What a transfer of the view moves: payload plus position map and offsets."""
-        return self.visible_payload_bytes + self.position_map_bytes + self.row_offsets_bytes
+        """What a transfer of the view moves: payload, position map and offsets, plus the
+        sidecar (page summaries, host-tier rows) of a recallable manifest."""
+        metadata = self.position_map_bytes + self.row_offsets_bytes + self.page_summary_bytes
+        return self.visible_payload_bytes + metadata + self.host_tier_bytes
+
+
+@dataclass(frozen=True)
+class OffloadClaim:
+    """What became of the omitted rows, as the descriptor says.
+
+    `mode` is what the decode worker may do: recall from the prefill worker's offload store
+    (`recallable_remote`: `handoff_id` at `address`, renewed every so often within
+    `lease_ms`), from the rows that came with the view (`recallable_local`), or nothing
+    (`omitted_irrecoverable`; `degraded` says why when the manifest promised more).
+    """
+
+    mode: RecoverabilityMode = RecoverabilityMode.OMITTED_IRRECOVERABLE
+    handoff_id: str = ""
+    address: str = ""
+    lease_ms: int = 0
+    degraded: str = ""
+    omitted_rows: int = 0
+
+    @property
+    def recallable(self) -> bool:
+        return self.mode is not RecoverabilityMode.OMITTED_IRRECOVERABLE
 
 
 @dataclass(frozen=True)
@@ -80,11 +109,12 @@ class IncomingTransfer:
     prompt_tokens: int
     ledger: LedgerClaim | None
     deadline_unix_ms: int  # 0: none given
+    offload: OffloadClaim = OffloadClaim()
 
     @property
     def nbytes(self) -> int:
-        """Bytes the transfer moves (packed K/V, position map, offsets)."""
-        return self.descriptor.layout.nbytes
+        """Bytes the transfer moves (packed K/V, position map, offsets, sidecar)."""
+        return self.descriptor.nbytes
 
 
 def incoming_from_proto(
@@ -96,10 +126,10 @@ def incoming_from_proto(
     except DescriptorInvalid as exc:
         raise TransferInvalid(exc.reason, field=f"descriptor.{exc.field}") from None
     ledger = _ledger(message) if message.HasField("ledger") else None
-    if ledger is not None and ledger.traffic_bytes != descriptor.layout.nbytes:
+    if ledger is not None and ledger.traffic_bytes != descriptor.nbytes:
         raise TransferInvalid(
-            f"payload + position map + offsets = {ledger.traffic_bytes} bytes, the tensors"
-            f" listed move {descriptor.layout.nbytes}",
+            f"payload + metadata + sidecar = {ledger.traffic_bytes} bytes, the tensors"
+            f" listed move {descriptor.nbytes}",
             field="descriptor.ledger",
         )
     _check_token(message.first_token_id, vocab_size, "descriptor.first_token_id")
@@ -116,6 +146,46 @@ def incoming_from_proto(
         prompt_tokens=message.prompt_tokens,
         ledger=ledger,
         deadline_unix_ms=message.deadline_unix_ms,
+        offload=offload_from_proto(message, descriptor),
+    )
+
+
+def offload_from_proto(message: decode_pb2.TransferDescriptor, descriptor: TransferDescriptor) -> OffloadClaim:
+    """The descriptor's account of the omitted rows, consistent with the tensors it lists:
+    summaries for a recallable mode, host-tier rows exactly for `recallable_local`, and a
+    handoff (id, host:port, lease) exactly for `recallable_remote`."""
+    name = message.recoverability or RecoverabilityMode.OMITTED_IRRECOVERABLE.value
+    try:
+        mode = RecoverabilityMode(name)
+    except ValueError:
+        allowed = [m.value for m in RecoverabilityMode]
+        raise TransferInvalid(f"{name!r} is not one of {allowed}", field="descriptor.recoverability") from None
+    sidecar = descriptor.sidecar
+    recallable = mode is not RecoverabilityMode.OMITTED_IRRECOVERABLE
+    if recallable != (sidecar is not None):
+        raise TransferInvalid(f"{mode.value} {'needs' if recallable else 'carries no'} page summaries",
+                              field="descriptor.tensors")
+    local = mode is RecoverabilityMode.RECALLABLE_LOCAL
+    if sidecar is not None and local != (sidecar.host_rows is not None):
+        raise TransferInvalid(f"host-tier rows travel with recallable_local only, not {mode.value}",
+                              field="descriptor.tensors")
+    remote = mode is RecoverabilityMode.RECALLABLE_REMOTE
+    if remote != bool(message.offload_handoff_id):
+        raise TransferInvalid(f"a handoff id comes with recallable_remote only, not {mode.value}",
+                              field="descriptor.offload_handoff_id")
+    if remote and not _ADDRESS.fullmatch(message.offload_address):
+        raise TransferInvalid(f"{message.offload_address!r} is not host:port", field="descriptor.offload_address")
+    if remote and message.offload_lease_ms < 1:
+        raise TransferInvalid(f"{message.offload_lease_ms} must be positive", field="descriptor.offload_lease_ms")
+    if message.receipt.omitted_rows < 0:
+        raise TransferInvalid(f"{message.receipt.omitted_rows} is negative", field="descriptor.receipt.omitted_rows")
+    return OffloadClaim(
+        mode=mode,
+        handoff_id=message.offload_handoff_id,
+        address=message.offload_address,
+        lease_ms=message.offload_lease_ms,
+        degraded=message.offload_degraded,
+        omitted_rows=message.receipt.omitted_rows,
     )
 
 

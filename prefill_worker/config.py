@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.model.config import DTYPES
+from services.offload.store import OffloadStoreConfig, OnFull
 from services.rpc.server import ServerConfig
 from services.transfer import PairGroupConfig
 
@@ -16,6 +17,46 @@ DEFAULT_POLICY_ADDRESS = "127.0.0.1:50061"
 # Worker ids name pair groups (no '/') and are stored by the policy service (printable ASCII).
 _WORKER_ID = re.compile(r"[!-.0-~]{1,128}")
 _DTYPE_ALIASES = ("fp32", "bf16", "fp16", "half")
+_ADDRESS = re.compile(r"[^\s/]+:\d{1,5}")
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The offload tier of `recallable_remote` requests.
+
+    Their omitted rows stay in host memory bounded by `capacity_bytes` (0: no store, and
+    recallable_remote manifests are refused). Each request's rows are held for `lease_s`
+    unless the decode worker renews them; `on_full` is `refuse` (a request that does not fit
+    degrades to irrecoverable; rows already promised stay) or `evict_lru` (older requests
+    lose their rows instead). Every `sweep_interval_s` expired leases are dropped, and so are
+    the rows of requests the policy service has ended or fenced out. A recall's rows must be
+    out within `recall_send_timeout_s` (and the caller's deadline). Decode workers call
+    Recall at `advertise_address` (default: the transfer host and the gRPC port).
+    """
+
+    capacity_bytes: int = GIB
+    lease_s: float = 30.0
+    on_full: str = OnFull.REFUSE.value
+    sweep_interval_s: float = 5.0
+    recall_send_timeout_s: float = 10.0
+    advertise_address: str = ""
+
+    def __post_init__(self) -> None:
+        _non_negative_int("offload.capacity_bytes", self.capacity_bytes)
+        for name in ("lease_s", "sweep_interval_s", "recall_send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"offload.{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.on_full not in {m.value for m in OnFull}:
+            raise ValueError(f"offload.on_full: {self.on_full!r} is not one of {[m.value for m in OnFull]}")
+        if self.advertise_address and not _ADDRESS.fullmatch(self.advertise_address):
+            raise ValueError(f"offload.advertise_address: {self.advertise_address!r} is not host:port")
+
+    def store(self) -> OffloadStoreConfig | None:
+        """The store's configuration, or None without a store (`capacity_bytes` 0)."""
+        if self.capacity_bytes == 0:
+            return None
+        return OffloadStoreConfig(self.capacity_bytes, self.lease_s, OnFull(self.on_full))
 
 
 @dataclass(frozen=True)
@@ -46,6 +87,7 @@ class PrefillWorkerConfig:
     manifest_cache_size: int = 64
     pair_groups: PairGroupConfig = field(default_factory=PairGroupConfig)
     torch_threads: int = 0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", Path(self.checkpoint))

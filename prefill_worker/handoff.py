@@ -5,11 +5,14 @@
     transfer  = KVSender.start_send(descriptor, lease)      # rendezvous in the background
     AcceptTransfer(D, descriptor)                           # control over gRPC
     every layer queued → transfer.wait_for_send(deadline)   # rows over torch.distributed
+      (+ the sidecar: page summaries, and host-tier rows for recallable_local)
 
+The descriptor also tells the decode worker what became of the omitted rows
+(`recoverability`, the offload handoff id and address, the lease, or why the store refused).
 Any failure — decode worker unreachable, descriptor refused, rendezvous or send timeout,
-peer lost, the call cancelled — tears the pair group down (the transfer layer does that)
-and surfaces as `DecodeWorkerUnavailable` naming the decode worker; its cached endpoint is
-forgotten so the next transfer asks again.
+peer lost, the call cancelled — tears the pair group down (the transfer layer does that),
+drops the request's offloaded rows, and surfaces as `DecodeWorkerUnavailable` naming the
+decode worker; its cached endpoint is forgotten so the next transfer asks again.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import grpc
 import torch
 
 from prefill_worker.errors import DecodeWorkerUnavailable
+from prefill_worker.offload import OffloadTier
 from prefill_worker.wire import PrefillCall, ledger_to_proto, receipt_to_proto, sampling_to_proto
-from services.kvpolicy.packing import PackedKVView
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from services.telemetry import metrics
@@ -37,6 +40,7 @@ from services.transfer import (
     PairLease,
     PairRoute,
     SendTransfer,
+    SidecarLayout,
     TransferDescriptor,
     TransferError,
     TransferKey,
@@ -77,7 +81,8 @@ class Refused(Exception):
 
 class DecodeHandoff:
     """The prefill side of the handoff: gRPC channels to decode workers, their endpoints, and
-    a `KVSender` whose pair groups carry the rows."""
+    a `KVSender` whose pair groups carry the rows. `offload` is this worker's offload tier:
+    its address goes into the descriptors of recallable_remote requests."""
 
     def __init__(
         self,
@@ -86,8 +91,10 @@ class DecodeHandoff:
         *,
         accept_timeout_s: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        offload: OffloadTier | None = None,
     ) -> None:
         self.sender = sender
+        self.offload = offload or OffloadTier(None)
         self._device = torch.device(device)
         self._backend = backend_for(self._device)
         self._accept_timeout_s = accept_timeout_s
@@ -101,13 +108,13 @@ class DecodeHandoff:
         try:
             return await self._send(call, first_token, packed, deadline)
         except (TransferError, DescriptorInvalid, grpc.aio.AioRpcError, Refused) as exc:
-            self._endpoints.pop(target.address, None)
+            self._forget(target.address, packed)
             raise DecodeWorkerUnavailable(
                 f"decode worker {target.worker_id} at {target.address}: {_describe(exc)}",
                 field="decode_worker_address",
             ) from exc
         except BaseException:
-            self._endpoints.pop(target.address, None)
+            self._forget(target.address, packed)
             raise
 
     async def close(self) -> None:
@@ -119,15 +126,17 @@ class DecodeHandoff:
 
     async def _send(self, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline) -> Handoff:
         endpoint = await self._endpoint(call, deadline)
+        if packed.offload.handoff_id:
+            self.offload.bind_decode(packed.offload.handoff_id, endpoint.rendezvous_address)
         key = TransferKey(call.request_id, call.request_generation, packed.state.state_generation, uuid.uuid4().hex)
         lease = await self._reserve(key, endpoint, deadline)
         descriptor = self._descriptor(key, packed, lease)
         transfer = self.sender.start_send(descriptor, lease, deadline)
         try:
             with metrics.timed(metrics.TRANSFER_SECONDS.labels("send")):
-                message = _message(descriptor, call, first_token, packed, deadline)
+                message = _message(descriptor, call, first_token, packed, deadline, self.offload.address)
                 reply = await self._accept(call, message, deadline)
-                moved = await asyncio.to_thread(send_layers, transfer, packed.view, deadline)
+                moved = await asyncio.to_thread(send_layers, transfer, packed, deadline)
         except BaseException as exc:
             transfer.cancel(f"handoff failed: {_describe(exc)}")
             raise
@@ -135,6 +144,13 @@ class DecodeHandoff:
         if moved != packed.ledger.traffic_bytes:
             raise Refused(f"moved {moved} bytes, the ledger says {packed.ledger.traffic_bytes}")
         return Handoff(message, moved, reply.reserved_bytes, reply.decode_worker or call.decode.worker_id)
+
+    def _forget(self, address: str, packed: Packed) -> None:
+        """After a failed handoff: ask the decode worker's endpoint again next time, and drop
+        the offloaded rows nobody will recall."""
+        self._endpoints.pop(address, None)
+        if packed.offload.handoff_id:
+            self.offload.release(packed.offload.handoff_id, "failed")
 
     async def _endpoint(self, call: PrefillCall, deadline: Deadline) -> Endpoint:
         address = call.decode.address
@@ -167,6 +183,7 @@ class DecodeHandoff:
             self.sender.cancel(reserving.result(), "the prefill call was cancelled")
 
     def _descriptor(self, key: TransferKey, packed: Packed, lease: PairLease) -> TransferDescriptor:
+        sidecar = packed.offload.sidecar
         return TransferDescriptor(
             transfer_id=key.transfer_id,
             request_id=key.request_id,
@@ -178,6 +195,7 @@ class DecodeHandoff:
             route=lease.route,
             layout=ViewLayout.of(packed.view),
             trace_context=tuple(inject_context().items()),
+            sidecar=SidecarLayout.of(sidecar, packed.view.packed_v.dtype) if sidecar is not None else None,
         )
 
     async def _accept(
@@ -202,19 +220,23 @@ class DecodeHandoff:
         return max(_MIN_CALL_S, min(self._accept_timeout_s, deadline.remaining()))
 
 
-def send_layers(transfer: SendTransfer, view: PackedKVView, deadline: Deadline) -> int:
-    """Queue every layer (each goes out as soon as the pair group is connected), then wait
-    until all are out; returns the bytes moved."""
+def send_layers(transfer: SendTransfer, packed: Packed, deadline: Deadline) -> int:
+    """Queue every layer (each goes out as soon as the pair group is connected) and the
+    sidecar, then wait until all are out; returns the bytes moved."""
+    view = packed.view
     for layer in range(view.num_layers):
         transfer.send_layer(layer_of(view, layer))
+    if packed.offload.sidecar is not None:
+        transfer.send_sidecar(packed.offload.sidecar)
     return transfer.wait_for_send(deadline)
 
 
 def _message(
-    descriptor: TransferDescriptor, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline
+    descriptor: TransferDescriptor, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline,
+    offload_address: str,
 ) -> decode_pb2.TransferDescriptor:
     """The wire descriptor: the transfer layer's part plus what the decode worker needs to
-    verify, decode and account for the request."""
+    verify, decode, recall and account for the request."""
     message = to_proto(descriptor)
     message.receipt.CopyFrom(receipt_to_proto(packed.receipt, packed.ledger))
     message.first_token_id = first_token
@@ -222,6 +244,13 @@ def _message(
     message.ledger.CopyFrom(ledger_to_proto(packed.ledger, bytes_moved=packed.ledger.traffic_bytes))
     message.prompt_tokens = call.prompt_tokens
     message.deadline_unix_ms = int((time.time() + deadline.remaining()) * 1000)
+    offload = packed.offload
+    message.recoverability = offload.mode.value
+    message.offload_degraded = offload.degraded
+    if offload.handoff_id:
+        message.offload_handoff_id = offload.handoff_id
+        message.offload_address = offload_address
+        message.offload_lease_ms = offload.lease_ms
     return message
 
 

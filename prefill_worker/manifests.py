@@ -6,7 +6,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from prefill_worker.errors import ManifestUnsupported
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract
+from services.kvpolicy.manifest import (
+    KVVisibilityPolicyManifest,
+    RecoverabilityMode,
+    TensorContract,
+)
 from services.policy import NotFound, PolicyClient
 from services.rpc.errors import Unavailable
 
@@ -22,10 +26,13 @@ _CONTRACT_FIELDS = (
 )
 
 
-def check_servable(manifest: KVVisibilityPolicyManifest, model: TensorContract) -> None:
+def check_servable(
+    manifest: KVVisibilityPolicyManifest, model: TensorContract, *, offload_store: bool = False
+) -> None:
     """Raise ManifestUnsupported unless this worker can run `manifest` on a model whose
-    cache has the tensor contract `model`: same shapes, dtypes, GQA map and key stage, and
-    nothing to offload (omitted rows are irrecoverable)."""
+    cache has the tensor contract `model`: same shapes, dtypes, GQA map and key stage, and,
+    for `recallable_remote`, an offload store to keep the omitted rows in (`offload_store`).
+    `recallable_local` needs none: its rows travel with the view."""
     for name in _CONTRACT_FIELDS:
         wanted, actual = getattr(manifest.tensor, name), getattr(model, name)
         if wanted != actual:
@@ -36,7 +43,7 @@ def check_servable(manifest: KVVisibilityPolicyManifest, model: TensorContract) 
             f" the loaded model {list(model.resolved_q_to_kv_head_map())}",
             field="tensor.q_to_kv_head_map",
         )
-    if manifest.recoverability.recallable:
+    if manifest.recoverability.mode is RecoverabilityMode.RECALLABLE_REMOTE and not offload_store:
         raise ManifestUnsupported(
             f"{manifest.recoverability.mode.value} needs an offload tier this worker does not run",
             field="recoverability.mode",
@@ -46,10 +53,13 @@ def check_servable(manifest: KVVisibilityPolicyManifest, model: TensorContract) 
 class ManifestCache:
     """Manifests by sha, at most `capacity` of them (least recently used goes first)."""
 
-    def __init__(self, policy: PolicyClient, model: TensorContract, capacity: int = 64) -> None:
+    def __init__(
+        self, policy: PolicyClient, model: TensorContract, capacity: int = 64, *, offload_store: bool = False
+    ) -> None:
         self._policy = policy
         self._model = model
         self._capacity = capacity
+        self._offload_store = offload_store
         self._manifests: OrderedDict[str, KVVisibilityPolicyManifest] = OrderedDict()
 
     async def get(self, sha256: str) -> KVVisibilityPolicyManifest:
@@ -72,5 +82,5 @@ class ManifestCache:
         manifest = KVVisibilityPolicyManifest.from_json(stored.canonical_json)
         if manifest.sha256 != sha256:
             raise Unavailable(f"the policy service returned manifest {manifest.sha256} for {sha256}")
-        check_servable(manifest, self._model)
+        check_servable(manifest, self._model, offload_store=self._offload_store)
         return manifest

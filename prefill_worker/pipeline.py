@@ -1,4 +1,4 @@
-"""The prefill pipeline: forward → score → allocate → select → pack → publish → send.
+"""The prefill pipeline: forward → score → allocate → select → pack → offload → publish → send.
 
 The first five stages are functions over the model runtime and the pure kvpolicy core
 (blocking torch work, which `PrefillPipeline` runs on its compute threads, never on the
@@ -15,17 +15,20 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import torch
 
+from prefill_worker.errors import HeadProfileUnavailable
 from prefill_worker.handoff import Handoff
+from prefill_worker.offload import NOT_OFFLOADED, Offloaded, OffloadTier, offload_plan
 from prefill_worker.wire import PrefillCall
+from services.evaluation.profile import PROFILE_FILE, HeadProfile
 from services.kvpolicy import allocation, packing, snapkv
 from services.kvpolicy.allocation import BudgetGrid
 from services.kvpolicy.ledger import Ledger, ledger_for
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest, SelectionMethod
+from services.kvpolicy.manifest import AllocationMethod, KVVisibilityPolicyManifest, SelectionMethod
 from services.kvpolicy.packing import PackedKVView
 from services.kvpolicy.receipt import Receipt, make_receipt
 from services.kvpolicy.state import KVPolicyState, PositionGrid
@@ -77,12 +80,14 @@ class Selection:
 
 @dataclass(frozen=True)
 class Packed:
-    """The packed view and everything bound to it: the state it realizes, its receipt, its ledger."""
+    """The packed view and everything bound to it: the state it realizes, its receipt, its ledger,
+    and where its omitted rows went (`offload`: what travels besides the view, or nothing)."""
 
     view: PackedKVView
     state: KVPolicyState
     receipt: Receipt
     ledger: Ledger
+    offload: Offloaded = NOT_OFFLOADED
 
 
 @dataclass(frozen=True)
@@ -122,11 +127,36 @@ def score(manifest: KVVisibilityPolicyManifest, fwd: Forward) -> torch.Tensor | 
     return snapkv.score(manifest, fwd.result.observation, fwd.prompt_len)
 
 
-def allocate(manifest: KVVisibilityPolicyManifest, prompt_len: int, scores: torch.Tensor | None) -> BudgetGrid | None:
-    """Integer prefix budgets `[L][H_owner]`, exactly conserved; None for static policies."""
+def allocate(
+    manifest: KVVisibilityPolicyManifest,
+    prompt_len: int,
+    scores: torch.Tensor | None,
+    profile: HeadProfile | None = None,
+) -> BudgetGrid | None:
+    """Integer prefix budgets `[L][H_owner]`, exactly conserved; None for static policies.
+    `profile` is the HeadKV profile beside the served checkpoint (if any)."""
     if scores is None:
         return None
-    return allocation.allocate(manifest, prompt_len, scores)
+    return allocation.allocate(manifest, prompt_len, scores, head_profile(manifest, profile))
+
+
+def head_profile(
+    manifest: KVVisibilityPolicyManifest, profile: HeadProfile | None
+) -> torch.Tensor | None:
+    """The importance tensor `[L, H_owner]` a HeadKV manifest names by digest; None for other
+    allocation methods. HeadProfileUnavailable when the checkpoint carries no such profile."""
+    spec = manifest.selection.allocation
+    wanted = spec.headkv_profile_sha256 if spec is not None else None
+    if spec is None or spec.method is not AllocationMethod.HEADKV or wanted is None:
+        return None
+    tensor = profile.tensor_for(wanted) if profile is not None else None
+    if tensor is None:
+        found = f"its profile is {profile.sha256}" if profile else f"it has no {PROFILE_FILE}"
+        raise HeadProfileUnavailable(
+            f"the served checkpoint has no profile {wanted} ({found})",
+            field="selection.allocation.headkv_profile_sha256",
+        )
+    return tensor
 
 
 def select(
@@ -238,7 +268,9 @@ class Sender(Protocol):
 
 class PrefillPipeline:
     """Runs one job through every stage. Blocking stages run on `max_in_flight` compute
-    threads of their own, so the event loop keeps serving other calls."""
+    threads of their own, so the event loop keeps serving other calls. `profile`: the HeadKV
+    profile beside the served checkpoint, if it has one. `offload`: where omitted rows of
+    recallable manifests go (default: no store, so recallable_remote is never admitted)."""
 
     def __init__(
         self,
@@ -250,8 +282,12 @@ class PrefillPipeline:
         chunk_size: int = 512,
         transfer_timeout_s: float = 30.0,
         compute_threads: int = 1,
+        profile: HeadProfile | None = None,
+        offload: OffloadTier | None = None,
     ) -> None:
         self.model = model
+        self.profile = profile
+        self.offload = offload or OffloadTier(None)
         self._policy = policy
         self._sender = sender
         self._worker_id = worker_id
@@ -260,15 +296,18 @@ class PrefillPipeline:
         self._compute = ThreadPoolExecutor(compute_threads, thread_name_prefix="prefill-compute")
 
     async def run(self, job: PrefillJob, call_deadline: Deadline | None = None) -> PrefillOutcome:
-        """forward → score → allocate → select → pack → publish → send. The send stage gets
+        """forward → score → allocate → select → pack → offload → publish → send. The send stage gets
         `transfer_timeout_s`, cut short by the caller's deadline."""
         started = time.perf_counter()
         manifest = job.manifest
         fwd = await self._blocking("prefill.forward", forward, self.model, job, self._chunk_size)
         scores = await self._blocking("kv.score", score, manifest, fwd)
-        budgets = await self._blocking("kv.allocate", allocate, manifest, fwd.prompt_len, scores)
+        budgets = await self._blocking(
+            "kv.allocate", allocate, manifest, fwd.prompt_len, scores, self.profile
+        )
         selection = await self._blocking("kv.select", select, manifest, fwd.prompt_len, scores, budgets)
         packed = await self._blocking("kv.pack", pack, job, fwd, selection)
+        packed = await self._offload(job, fwd, selection, packed)
         count_rows(manifest.name, packed.ledger)
         with span("policy.publish", **state_attributes(job, packed)), self._timed("policy.publish"):
             fence = await publish(self._policy, job, packed, self._worker_id)
@@ -281,6 +320,19 @@ class PrefillPipeline:
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
+
+    async def _offload(self, job: PrefillJob, fwd: Forward, selection: Selection, packed: Packed) -> Packed:
+        """Omitted rows → offload tier with their page summaries; the ledger charges what travels."""
+        result = fwd.result
+        mode = job.manifest.recoverability.mode.value
+        with span("kv.offload", request_id=job.call.request_id, mode=mode) as current, self._timed("kv.offload"):
+            loop = asyncio.get_running_loop()
+            plan = await loop.run_in_executor(self._compute, functools.partial(
+                offload_plan, job.manifest, result.source_k, result.source_v, selection.positions))
+            held = self.offload.hold(job.call, plan, packed.state.state_generation)
+            current.set_attributes({"travels": held.mode.value, "degraded": held.degraded,
+                                    "page_summary_bytes": held.sidecar.summaries.nbytes if held.sidecar else 0})
+        return replace(packed, ledger=held.ledger(packed.ledger), offload=held)
 
     async def _blocking(self, name: str, stage: Callable[..., Result], *args: object) -> Result:
         with span(name), self._timed(name):

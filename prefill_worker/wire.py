@@ -138,6 +138,8 @@ def ledger_to_proto(ledger: Ledger, bytes_moved: int) -> common_pb2.Ledger:
         unique_demand_bytes=ledger.unique_kv_rows * ledger.bytes_per_row,
         query_expanded_demand_bytes=ledger.query_expanded_rows * ledger.bytes_per_row,
         bytes_moved=bytes_moved,
+        page_summary_bytes=ledger.page_summary_bytes,
+        host_tier_bytes=ledger.host_tier_bytes,
     )
 
 

@@ -160,8 +160,83 @@ def codegen(check: bool = typer.Option(False, help="Only verify that the committ
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a kvrelay service.")
 app.add_typer(serve_app, name="serve")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their numbers.")
+bench_app = typer.Typer(help="Benchmarks that print their numbers. Without a subcommand: the whole issue-8 harness.")
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(help="Quality evaluations that write Markdown and PNG reports.")
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.callback(invoke_without_command=True)
+def eval_main(
+    ctx: typer.Context,
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
+    preset: str = typer.Option("full", help="smoke (one 256-token length, 25% budget, seconds) or full (512/1K/2K, 7 depths, 10/25/50%, about 10 min on 1 thread)."),
+    out: Path = typer.Option(Path("eval-out"), help="Directory for eval.md, the heat-map PNGs and trials.json."),
+    prompts_per_cell: int | None = typer.Option(None, help="Prompts per (length, placement, depth); default: the preset's."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="Also compare SnapKV's kept rows with kvpress's SnapKVPress (needs kvpress)."),
+) -> None:
+    """Needle retrieval per policy (budgets x allocations x GQA reductions x placements, baselines), heat maps, kvpress agreement."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from services.evaluation.needs import MissingDependency
+    from services.evaluation.quality import PRESETS, EvalOptions, run_eval
+    from services.model.train_demo import DEMO_CHECKPOINT
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    options = EvalOptions(checkpoint=checkpoint or DEMO_CHECKPOINT, out=out, preset=preset,
+                          prompts_per_cell=prompts_per_cell, threads=threads, kvpress=kvpress)
+    try:
+        run_eval(options)
+    except MissingDependency as exc:
+        hint = " (or run with --no-kvpress)" if exc.package == "kvpress" else ""
+        typer.echo(f"kvrelay eval: {exc}{hint}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def calibrate(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint directory; headkv_profile.safetensors is written beside it."),
+    lengths: str = typer.Option("512,1024,2048", help="Comma-separated context lengths in tokens."),
+    prompts: int = typer.Option(16, help="Needle prompts per context length and question placement."),
+    seed: int = typer.Option(9_000_000, help="Seed of the calibration prompts."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+) -> None:
+    """HeadKV retrieval-head scores per (layer, K/V head), written beside the checkpoint; prints the profile's sha256."""
+    from services.evaluation.calibrate import CalibrationConfig, run
+
+    config = CalibrationConfig(context_lengths=tuple(int(n) for n in lengths.split(",")), prompts=prompts, seed=seed)
+    run(checkpoint, config, threads)
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    preset: str = typer.Option("full", help="smoke (seconds, tiny models) or full (the issue's sweep)."),
+    contexts: str | None = typer.Option(None, help="Comma-separated prompt lengths, e.g. 1K,4K,16K,32K (default: the preset's)."),
+    budgets: str | None = typer.Option(None, help="Comma-separated budgets: full, fractions or percentages (default full,50%,25%,10%)."),
+    models: str | None = typer.Option(None, help="Comma-separated models: demo, large (default both)."),
+    out: Path = typer.Option(Path("bench-out"), help="Directory for bench.json, bench.md and the PNG plots."),
+    threads: int | None = typer.Option(None, help="torch CPU threads of every measurement process (default 1)."),
+    steps: int | None = typer.Option(None, help="Measured decode steps per configuration (default: the preset's)."),
+    memory_budget_gib: float | None = typer.Option(None, help="Skip cells whose estimated peak RSS exceeds this (default 70% of available memory)."),
+    kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="--no-kvpress skips the kvpress anchor explicitly."),
+) -> None:
+    """kvrelay full-cache and SnapKV decode vs transformers and kvpress, bandwidth, transfer, goals."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from services.benchmark.config import Overrides, resolve
+    from services.benchmark.errors import BenchError
+    from services.benchmark.harness import run_bench
+
+    overrides = Overrides(contexts=contexts, budgets=budgets, models=models, threads=threads,
+                          kvpress=kvpress, memory_budget_gib=memory_budget_gib, steps=steps)
+    try:
+        run_bench(resolve(preset, overrides), out)
+    except BenchError as exc:
+        typer.echo(f"kvrelay bench: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @serve_app.command("policy")
@@ -271,17 +346,22 @@ def serve_prefill(
     accept_timeout_s: float = typer.Option(5.0, envvar="KVRELAY_PREFILL_ACCEPT_TIMEOUT_S", help="Each control call to a decode worker."),
     transfer_timeout_s: float = typer.Option(30.0, envvar="KVRELAY_PREFILL_TRANSFER_TIMEOUT_S", help="The whole send stage."),
     max_pair_groups: int = typer.Option(8, envvar="KVRELAY_PREFILL_MAX_PAIR_GROUPS"),
+    offload_capacity_mib: float = typer.Option(1024.0, envvar="KVRELAY_PREFILL_OFFLOAD_CAPACITY_MIB", help="Host memory for omitted rows of recallable_remote requests (0: no store; such manifests are refused)."),
+    offload_lease_s: float = typer.Option(30.0, envvar="KVRELAY_PREFILL_OFFLOAD_LEASE_S", help="How long offloaded rows stay without the decode worker renewing them."),
+    offload_on_full: str = typer.Option("refuse", envvar="KVRELAY_PREFILL_OFFLOAD_ON_FULL", help="refuse (the new request degrades to irrecoverable) or evict_lru (older requests lose their rows)."),
+    offload_sweep_s: float = typer.Option(5.0, envvar="KVRELAY_PREFILL_OFFLOAD_SWEEP_S", help="How often expired leases and ended or fenced-out requests are dropped."),
+    offload_address: str | None = typer.Option(None, envvar="KVRELAY_PREFILL_OFFLOAD_ADDRESS", help="host:port decode workers call Recall at (default: the transfer host and --port)."),
     torch_threads: int = typer.Option(0, envvar="KVRELAY_TORCH_THREADS", help="0: torch's choice."),
     max_message_bytes: int = typer.Option(8 * 1024 * 1024, envvar="KVRELAY_MAX_MESSAGE_BYTES"),
     log_level: str = typer.Option("INFO", envvar="KVRELAY_LOG_LEVEL"),
     log_format: str = typer.Option("text", envvar="KVRELAY_LOG_FORMAT", help="text, or json: one object per line with trace_id, span_id, request_id."),
     metrics_port: int = typer.Option(9093, envvar="KVRELAY_PREFILL_METRICS_PORT", help="Prometheus /metrics port on --host (0: off)."),
 ) -> None:
-    """Prefill worker: forward → score → allocate → select → pack → publish → send to a decode worker."""
+    """Prefill worker: forward → score → allocate → select → pack → offload → publish → send to a decode worker."""
     import asyncio
     import socket
 
-    from prefill_worker.config import PrefillWorkerConfig
+    from prefill_worker.config import OffloadConfig, PrefillWorkerConfig
     from prefill_worker.server import serve
     from services.model.train_demo import DEMO_CHECKPOINT
     from services.rpc.server import ServerConfig
@@ -307,6 +387,13 @@ def serve_prefill(
             bind_host=transfer_host or (socket.gethostbyname(socket.gethostname()) if wildcard else host),
         ),
         torch_threads=torch_threads,
+        offload=OffloadConfig(
+            capacity_bytes=int(offload_capacity_mib * 1024 * 1024),
+            lease_s=offload_lease_s,
+            on_full=offload_on_full,
+            sweep_interval_s=offload_sweep_s,
+            advertise_address=offload_address or "",
+        ),
     )
     telemetry = TelemetryConfig("prefill", log_level, log_format, metrics_host=host, metrics_port=metrics_port)
     with observed(telemetry):
@@ -456,6 +543,31 @@ def bench_e2e(
         budgets=tuple(float(b) for b in budgets.split(",")), max_tokens=max_tokens, repeats=repeats, threads=threads,
     )
     run_e2e_bench(config, json_out=json_out)
+
+
+@eval_app.command("recall")
+def eval_recall(
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%)."),
+    prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
+    out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep the recall knobs on tuning seeds instead of evaluating."),
+) -> None:
+    """Needle accuracy of full, window, sink+recent and SnapKV policies, with and without recall of omitted rows."""
+    from dataclasses import replace
+
+    from services.model.train_demo import DEMO_CHECKPOINT
+    from services.offload.evaluate import PRESETS, TuneConfig, run, run_tune
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    if tune:
+        tune_config = TuneConfig() if prompts is None else TuneConfig(prompts=prompts)
+        run_tune(checkpoint or DEMO_CHECKPOINT, tune_config, threads)
+        return
+    config = PRESETS[preset] if prompts is None else replace(PRESETS[preset], prompts=prompts)
+    run(checkpoint or DEMO_CHECKPOINT, config, out, threads)
 
 
 if __name__ == "__main__":

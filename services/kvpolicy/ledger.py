@@ -29,6 +29,8 @@ class Ledger:
     query_expanded_rows: rows the query heads read if each K/V row is expanded per reader.
     page_summary_bytes: key summaries of the omitted pages (recallable manifests only),
         which travel with the view as metadata; 0 when omitted rows are irrecoverable.
+    host_tier_bytes: omitted rows that travel with the view to the decode worker's host
+        tier (`recallable_local`: K, V, positions and page row starts); 0 otherwise.
     """
 
     bytes_per_row: int
@@ -41,6 +43,7 @@ class Ledger:
     unique_kv_rows: int
     query_expanded_rows: int
     page_summary_bytes: int = 0
+    host_tier_bytes: int = 0
 
     @property
     def full_payload_bytes(self) -> int:
@@ -73,8 +76,9 @@ class Ledger:
     @property
     def traffic_bytes(self) -> int:
         """Bytes a transfer of the view moves: packed K/V plus its metadata (position map,
-        offsets and, for recallable manifests, page summaries)."""
-        return self.visible_payload_bytes + self.metadata_bytes
+        offsets and, for recallable manifests, page summaries), plus the omitted rows bound
+        for the decode worker's host tier (`recallable_local`)."""
+        return self.visible_payload_bytes + self.metadata_bytes + self.host_tier_bytes
 
     @property
     def transaction_peak_bytes(self) -> int:
@@ -134,6 +138,13 @@ def with_page_summaries(ledger: Ledger, page_summary_bytes: int) -> Ledger:
     if page_summary_bytes < 0:
         raise PackingError("page_summary_bytes", f"must be non-negative, got {page_summary_bytes}")
     return replace(ledger, page_summary_bytes=page_summary_bytes)
+
+
+def with_host_tier(ledger: Ledger, host_tier_bytes: int) -> Ledger:
+    """The ledger of a view whose omitted rows also travel to the decode worker's host tier."""
+    if host_tier_bytes < 0:
+        raise PackingError("host_tier_bytes", f"must be non-negative, got {host_tier_bytes}")
+    return replace(ledger, host_tier_bytes=host_tier_bytes)
 
 
 def decode_read_rows(prompt_len: int, decode_steps: int, row_bound: int | None = None) -> int:

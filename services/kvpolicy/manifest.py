@@ -310,7 +310,7 @@ _ALLOCATION_PARAMS: dict[AllocationMethod, frozenset[str]] = {
     AllocationMethod.HEADKV: frozenset({"beta", "headkv_profile_sha256"}),
     AllocationMethod.ZIGZAGKV: frozenset({"b_min", "coverage"}),
 }
-_SCOPE_OF: dict[AllocationMethod, BudgetScope] = {
+BUDGET_SCOPE_OF: dict[AllocationMethod, BudgetScope] = {
     AllocationMethod.UNIFORM: BudgetScope.OWNER,
     AllocationMethod.ADAKV: BudgetScope.LAYER,
     AllocationMethod.PYRAMIDKV: BudgetScope.GLOBAL,
@@ -465,7 +465,7 @@ class SelectionContract:
                 "selection.budget.rows_per_owner",
                 f"capacity {budget.rows_per_owner} must exceed the protected rows (W_obs + sinks = {protected})",
             )
-        expected_scope = _SCOPE_OF[allocation.method]
+        expected_scope = BUDGET_SCOPE_OF[allocation.method]
         if budget.scope is not expected_scope:
             _fail(
                 "selection.budget.scope",
@@ -521,7 +521,7 @@ class RecoverabilityContract:
 
     mode: RecoverabilityMode
     handoff_id: str | None = None
-    recall_threshold: float | None = None  # bound on omitted softmax mass that triggers recall
+    recall_threshold: float | None = None  # omitted-mass bound that triggers recall, [0, 1)
     page_size: int | None = None  # contiguous omitted positions per summarized page
     max_pages_per_step: int | None = None
     recall_cadence_steps: int | None = None  # check the bound every N decode steps
@@ -556,10 +556,13 @@ class RecoverabilityContract:
             )
         if self.handoff_id is not None and not self.handoff_id.strip():
             _fail("recoverability.handoff_id", "must not be blank")
-        for name in ("recall_threshold", "full_recall_on_quality_gate"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 < value < 1.0:
-                _fail(f"recoverability.{name}", f"must be in (0, 1), got {value}")
+        # A threshold of 0 recalls every page still omitted (recall as exact fallback);
+        # the full-recall gate sits strictly above it.
+        threshold, gate = self.recall_threshold, self.full_recall_on_quality_gate
+        if threshold is not None and not 0.0 <= threshold < 1.0:
+            _fail("recoverability.recall_threshold", f"must be in [0, 1), got {threshold}")
+        if gate is not None and not 0.0 < gate < 1.0:
+            _fail("recoverability.full_recall_on_quality_gate", f"must be in (0, 1), got {gate}")
         for name in (
             "page_size",
             "max_pages_per_step",
@@ -569,7 +572,6 @@ class RecoverabilityContract:
             value = getattr(self, name)
             if value is not None:
                 _positive(f"recoverability.{name}", value)
-        gate, threshold = self.full_recall_on_quality_gate, self.recall_threshold
         if gate is not None and threshold is not None and gate <= threshold:
             _fail(
                 "recoverability.full_recall_on_quality_gate",
@@ -803,7 +805,7 @@ def _snapkv_selection(
         evidence=EvidenceFamily.OBSERVATION_ATTENTION,
         update_cadence=UpdateCadence.PREFILL_ONCE,
         protected=ProtectedRule(observation_suffix=True),
-        budget=BudgetSpec(scope=_SCOPE_OF[allocation.method], fraction=fraction),
+        budget=BudgetSpec(scope=BUDGET_SCOPE_OF[allocation.method], fraction=fraction),
         snapkv=SnapKVParams(observation_window=observation_window),
         allocation=allocation,
     )

@@ -298,7 +298,16 @@ class Stack:
     def launch_decode(self, name: str, ports: WorkerPorts, timeout_s: float | None = None) -> ServiceProcess:
         """One more decode worker, outside the gateway's list and owned by the caller (who
         stops it): a spare for failure tests. Returns once it is healthy."""
-        service = self._decode_service(name, ports)
+        return self._launch_spare(self._decode_service(name, ports), timeout_s)
+
+    def launch_prefill(
+        self, name: str, port: int, args: Sequence[str] = (), timeout_s: float | None = None
+    ) -> ServiceProcess:
+        """One more prefill worker, outside the gateway's list and owned by the caller (who
+        stops it), with extra flags `args`: a spare for failure tests. Returns once healthy."""
+        return self._launch_spare(self._prefill_service(name, port, None, args), timeout_s)
+
+    def _launch_spare(self, service: ServiceProcess, timeout_s: float | None) -> ServiceProcess:
         service.spawn(self._env())
         try:
             service.wait_healthy(time.monotonic() + (timeout_s or self.config.start_timeout_s))
@@ -332,8 +341,9 @@ class Stack:
         env.update(dict(self.config.env))
         return env
 
-    def _service(self, name: str, role: str, port: int, args: Sequence[str], index: int | None = 0) -> ServiceProcess:
-        argv = service_command(role, *args, *self._metrics_args(role, index), *self.config.args_for(role))
+    def _service(self, name: str, role: str, port: int, args: Sequence[str], index: int | None = 0,
+                 extra: Sequence[str] = ()) -> ServiceProcess:
+        argv = service_command(role, *args, *self._metrics_args(role, index), *self.config.args_for(role), *extra)
         return ServiceProcess(name, role, self.config.address(port), argv, self.log_dir / f"{name}.log")
 
     def _metrics_args(self, role: str, index: int | None) -> list[str]:
@@ -352,9 +362,12 @@ class Stack:
         return self._service("policy", "policy", self.config.policy_port, args)
 
     def _prefill(self, index: int, port: int) -> ServiceProcess:
+        return self._prefill_service(f"prefill-{index}", port, index)
+
+    def _prefill_service(self, name: str, port: int, index: int | None = None, extra: Sequence[str] = ()) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(port),
-                "--policy-address", self.policy_address, "--worker-id", f"prefill-{index}"]
-        return self._service(f"prefill-{index}", "prefill", port, args, index)
+                "--policy-address", self.policy_address, "--worker-id", name]
+        return self._service(name, "prefill", port, args, index, extra)
 
     def _decode(self, index: int, ports: WorkerPorts) -> ServiceProcess:
         return self._decode_service(f"decode-{index}", ports, index)

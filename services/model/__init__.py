@@ -19,7 +19,7 @@ from services.model.errors import (
     ModelError,
     UnsupportedArchitecture,
 )
-from services.model.kvcache import DecodeCache
+from services.model.kvcache import DecodeCache, StepCapture
 from services.model.loader import LoadedModel, load
 from services.model.runtime import (
     LayerPrefill,
@@ -46,6 +46,7 @@ __all__ = [
     "PrefillOptions",
     "PrefillResult",
     "SamplingParams",
+    "StepCapture",
     "UnsupportedArchitecture",
     "decode_step",
     "decode_tokens",

@@ -5,7 +5,8 @@ position with it and attention over any subset of rows needs no re-rotation.
 - `causal_chunk_attention`: one prefill chunk of queries against all keys before it.
 - `observation_attention`: the last W_obs queries' softmax rows, for SnapKV scoring.
 - `ragged_decode_attention` / `varlen_decode_attention`: one new query per request over a
-  padded per-(request, K/V head) cache where every head has its own length.
+  padded per-(request, K/V head) cache where every head has its own length;
+  `ragged_decode_attention_lse` also returns each query's log-sum-exp (for recall).
 """
 
 from __future__ import annotations
@@ -125,6 +126,34 @@ def ragged_decode_attention(
     any contents); lengths `[B, H_kv]`; hidden `[B, H_kv, S]` bool masks further rows
     (sliding window). Query head i reads K/V head i // G only. Softmax in fp32 -> `[B, H_q, d_h]`.
     """
+    scores = _ragged_scores(q, keys, lengths, scale, hidden)  # [B, H_kv, G, S]
+    return _ragged_output(scores, values)
+
+
+def ragged_decode_attention_lse(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ragged_decode_attention` (same output, same arithmetic) plus, per request and query
+    head, the log-sum-exp of the scaled logits over the rows that query sees `[B, H_q]` fp32
+    (what recall bounds the omitted rows' softmax mass against)."""
+    scores = _ragged_scores(q, keys, lengths, scale, hidden)  # [B, H_kv, G, S]
+    lse = torch.logsumexp(scores, dim=-1).reshape(q.shape[0], -1)  # [B, H_q]
+    return _ragged_output(scores, values), lse
+
+
+def _ragged_scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    hidden: torch.Tensor | None,
+) -> torch.Tensor:
+    """Scaled fp32 logits, -inf on padding and hidden rows.  # [B, H_kv, G, S]"""
     batch, h_kv, span, d_h = keys.shape
     grouped = q.view(batch, h_kv, -1, d_h)  # [B, H_kv, G, d_h]
     # keys @ q^T reads the [S, d_h] rows in storage order (faster on CPU than q @ keys^T).
@@ -133,7 +162,12 @@ def ragged_decode_attention(
     masked = torch.arange(span, device=q.device) >= lengths[..., None]  # [B, H_kv, S]
     if hidden is not None:
         masked |= hidden
-    scores.masked_fill_(masked[:, :, None, :], float("-inf"))
+    return scores.masked_fill_(masked[:, :, None, :], float("-inf"))
+
+
+def _ragged_output(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """softmax(scores) @ values: scores `[B, H_kv, G, S]`, values `[B, H_kv, S, d_h]`."""
+    batch, _, _, d_h = values.shape
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(batch, -1, d_h)
 

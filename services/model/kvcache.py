@@ -5,6 +5,11 @@ Each decode step appends one row per (request, owner) in place; capacity grows g
 per layer, so a step never copies the cache. Row order inside a head is irrelevant to
 attention (keys carry RoPE at their original position), so recalled rows are appended too.
 
+Recall (services/offload/recall.py) needs two things from a step, both off by default: a
+`StepCapture` handed to `begin_step` records every layer's post-RoPE queries and the
+log-sum-exp of the rows each query saw; `undo_step` takes the step just committed back, so
+the step can run again once recalled rows are in.
+
 Owners are the K/V heads (query head i reads owner i // G), or, for views packed under the
 GQA `expand` reduction, the query heads themselves (`owner_to_kv_head` = q_to_kv_head_map):
 then every query head has its own rows and each new K/V row is appended to all its owners.
@@ -12,7 +17,7 @@ then every query head has its own rows and each new K/V row is appended to all i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -21,6 +26,7 @@ import torch
 from services.model.attention import (
     Attend,
     ragged_decode_attention,
+    ragged_decode_attention_lse,
     varlen_decode_attention,
     varlen_decode_available,
 )
@@ -84,6 +90,27 @@ class LayerSlab:
         return grown
 
 
+@dataclass
+class StepCapture:
+    """What one decode step's attention saw, per layer, for every request of the batch
+    (runtime state, filled layer by layer while the step runs)."""
+
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H_q, d_h]
+    lse: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H_q] fp32
+
+    def record(self, layer: int, q: torch.Tensor, lse: torch.Tensor) -> None:
+        self.queries[layer] = q.detach()
+        self.lse[layer] = lse.detach()
+
+    def query(self, slot: int) -> torch.Tensor:
+        """Post-RoPE queries of one request, every layer.  # [L, H_q, d_h]"""
+        return torch.stack([self.queries[layer][slot] for layer in sorted(self.queries)])
+
+    def log_sum_exp(self, slot: int) -> torch.Tensor:
+        """Log-sum-exp of the scaled logits over the rows each query saw.  # [L, H_q] fp32"""
+        return torch.stack([self.lse[layer][slot] for layer in sorted(self.lse)])
+
+
 class DecodeCache:
     """Ragged per-(request, layer, owner head) KV rows for a batch of decoding requests.
 
@@ -122,6 +149,20 @@ class DecodeCache:
         self._varlen = backend == "varlen" or (
             backend == "auto" and varlen_decode_available(self.device, dtype)
         )
+        self._capture: StepCapture | None = None
+        self._undoable = False  # the last call committed a step and nothing was written since
+
+    @property
+    def scale(self) -> float:
+        """Attention logit scale, 1/sqrt(d_h)."""
+        return float(self.config.head_dim**-0.5)
+
+    @property
+    def head_to_owner(self) -> tuple[int, ...]:
+        """The owner whose rows each query head reads: its K/V head i // G, or itself."""
+        if self._owner_map is not None:
+            return tuple(range(self.config.num_q_heads))
+        return tuple(i // self.config.group_size for i in range(self.config.num_q_heads))
 
     @property
     def batch_size(self) -> int:
@@ -185,6 +226,7 @@ class DecodeCache:
     def release(self, request_id: str) -> None:
         """Drop a request; the last slot moves into its place (only that request's rows copy)."""
         slot, last = self._slot(request_id), self.batch_size - 1
+        self._undoable = False
         if slot != last:
             for layer, slab in enumerate(self._slabs):
                 used = int(self._rows[layer, last])
@@ -197,10 +239,15 @@ class DecodeCache:
             self.request_ids[slot] = self.request_ids[last]
         self.request_ids.pop()
 
-    def begin_step(self) -> torch.Tensor:
-        """Make room for one more row per (request, layer, head); returns positions `[B]`."""
+    def begin_step(self, capture: StepCapture | None = None) -> torch.Tensor:
+        """Make room for one more row per (request, layer, head); returns positions `[B]`.
+
+        With `capture`, every layer of this step records its queries and log-sum-exps there
+        (through the padded kernel, which also yields the log-sum-exp).
+        """
         if not self.request_ids:
             raise InvalidModelInput("batch", "no request admitted")
+        self._capture, self._undoable = capture, False
         for layer in range(self.config.num_layers):
             self._reserve(layer, int(self._rows[layer, : self.batch_size].max()) + 1)
         return self.frontier()
@@ -208,22 +255,25 @@ class DecodeCache:
     def attention(self, layer: int) -> Attend:
         """The `Attend` of layer l for this step: append the new row to every owner, attend."""
         slab, window = self._slabs[layer], self.config.sliding_windows[layer]
-        batch, scale = self.batch_size, self.config.head_dim**-0.5
+        batch, scale, capture = self.batch_size, self.scale, self._capture
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q [B, H_q, d_h]; k, v [B, H_kv, d_h] at the frontier position
             if self._owner_map is not None:
                 k, v = k[:, self._owner_map], v[:, self._owner_map]  # [B, H_owner, d_h]
             self._append_step(slab, k, v)
-            if self._varlen and window is None:
+            if self._varlen and window is None and capture is None:
                 return varlen_decode_attention(
                     q, slab.keys[:batch], slab.values[:batch], slab.lengths[:batch], scale
                 )
             span = int(self._rows[layer, :batch].max()) + 1
-            return ragged_decode_attention(
-                q, slab.keys[:batch, :, :span], slab.values[:batch, :, :span],
-                slab.lengths[:batch], scale, self._outside_window(slab, span, window),
-            )
+            args = (q, slab.keys[:batch, :, :span], slab.values[:batch, :, :span],
+                    slab.lengths[:batch], scale, self._outside_window(slab, span, window))
+            if capture is None:
+                return ragged_decode_attention(*args)
+            out, lse = ragged_decode_attention_lse(*args)
+            capture.record(layer, q, lse)
+            return out
 
         return attend
 
@@ -232,6 +282,20 @@ class DecodeCache:
         batch = self.batch_size
         self._rows[:, :batch] += 1
         self._frontier[:batch] += 1
+        self._capture, self._undoable = None, True
+
+    def undo_step(self) -> None:
+        """Take back the step just committed: every request drops the row that step appended
+        to each owner and its frontier moves back by one. Only right after `end_step`, before
+        any row is written, a request admitted or released (else InvalidModelInput)."""
+        if not self._undoable:
+            raise InvalidModelInput("undo_step", "only the step just committed can be undone")
+        batch = self.batch_size
+        for slab in self._slabs:
+            slab.lengths[:batch] -= 1
+        self._rows[:, :batch] -= 1
+        self._frontier[:batch] -= 1
+        self._undoable = False
 
     def _append_step(self, slab: LayerSlab, k: torch.Tensor, v: torch.Tensor) -> None:
         slots, head_index = self._step_index(k.shape[0], k.shape[1])
@@ -271,6 +335,7 @@ class DecodeCache:
         if request_id in self.request_ids:
             raise InvalidModelInput("request_id", f"{request_id!r} is already admitted")
         slot = self.batch_size
+        self._undoable = False
         if slot == self._frontier.shape[0]:
             self._grow_batch(2 * slot)
         self.request_ids.append(request_id)
@@ -306,6 +371,7 @@ class DecodeCache:
         keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     ) -> None:
         slab = self._slabs[layer]
+        self._undoable = False
         start = int(slab.lengths[slot, head])
         stop = start + keys.shape[0]
         slab.keys[slot, head, start:stop] = keys.to(device=self.device, dtype=self.dtype)

@@ -17,7 +17,7 @@ import torch
 
 from services.model.attention import Attend, causal_chunk_attention, observation_attention
 from services.model.errors import InvalidModelInput
-from services.model.kvcache import DecodeCache
+from services.model.kvcache import DecodeCache, StepCapture
 from services.model.loader import LoadedModel
 from services.model.model import CausalLM, DecoderLayer
 from services.model.sampler import SamplingParams, finish_reason, sample
@@ -144,14 +144,18 @@ def _chunk_attend(
 
 @torch.no_grad()
 def decode_step(
-    model: CausalLM, cache: DecodeCache, tokens: Sequence[int] | torch.Tensor
+    model: CausalLM,
+    cache: DecodeCache,
+    tokens: Sequence[int] | torch.Tensor,
+    capture: StepCapture | None = None,
 ) -> torch.Tensor:
     """Feed one token per request (in `cache.request_ids` order) at each request's frontier;
-    append its K/V row to every owner; return next-token logits `[B, V]` (fp32)."""
+    append its K/V row to every owner; return next-token logits `[B, V]` (fp32). `capture`
+    (recall) receives every layer's queries and log-sum-exps."""
     ids = _token_tensor(tokens, model.config.vocab_size, cache.device)
     if ids.shape[0] != cache.batch_size:
         raise InvalidModelInput("tokens", f"got {ids.shape[0]}, batch has {cache.batch_size}")
-    positions = cache.begin_step()
+    positions = cache.begin_step(capture)
     logits = model(ids, positions, cache.attention)
     cache.end_step()
     return logits

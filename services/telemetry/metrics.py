@@ -19,8 +19,14 @@ defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpo
 | decode_transfers_rejected_total{error}       | decode           | views refused before decoding           |
 | decode_requests_active, decode_requests_waiting, decode_kv_reserved_bytes | decode | queue and KV resident |
 | decode_batch_size, decode_tokens_total, decode_tpot_seconds | decode | the continuous-batching loop |
-
-Recall metrics come with the recall path (none exists yet).
+| offload_store_bytes                          | prefill          | host bytes held for recallable_remote requests |
+| offload_refusals_total{reason}               | prefill          | requests the store refused (they degrade to irrecoverable) |
+| offload_released_total{cause}                | prefill          | stored states dropped: end, expired, fenced, evicted |
+| offload_recalls_served_total{outcome}        | prefill          | Recall calls answered, by outcome       |
+| recalls_total{outcome}                       | decode           | recalls: ok, timeout, unavailable, stale, rejected |
+| recall_rows_total, recall_bytes_total        | decode           | rows and K/V + position bytes recalled  |
+| recall_seconds                               | decode           | one recall, asked to rows in hand       |
+| recall_fallbacks_total{kind}                 | decode           | declared fallbacks taken (e.g. recall_timeout:continue_lossy) |
 """
 
 from __future__ import annotations
@@ -110,15 +116,34 @@ DECODE_TOKENS = _unregistered(Counter, "kvrelay_decode_tokens", "Output tokens d
 DECODE_TPOT = _unregistered(Histogram, "kvrelay_decode_tpot_seconds",
                             "Mean time per decoded token, per finished request", buckets=TOKEN_BUCKETS)
 
+OFFLOAD_STORE_BYTES = _unregistered(Gauge, "kvrelay_offload_store_bytes",
+                                    "Host bytes of omitted rows held for recallable_remote requests")
+OFFLOAD_REFUSALS = _unregistered(Counter, "kvrelay_offload_refusals",
+                                 "Requests whose omitted rows the offload store refused (they continue irrecoverable)",
+                                 ("reason",))
+OFFLOAD_RELEASED = _unregistered(Counter, "kvrelay_offload_released",
+                                 "Stored states dropped: request ended, lease expired, generation fenced out, LRU-evicted",
+                                 ("cause",))
+OFFLOAD_RECALLS_SERVED = _unregistered(Counter, "kvrelay_offload_recalls_served",
+                                       "Recall calls answered by this prefill worker, by outcome", ("outcome",))
+RECALLS = _unregistered(Counter, "kvrelay_recalls", "Recalls of omitted pages, by outcome", ("outcome",))
+RECALL_ROWS = _unregistered(Counter, "kvrelay_recall_rows", "Omitted rows brought back by recalls")
+RECALL_BYTES = _unregistered(Counter, "kvrelay_recall_bytes", "Bytes of recalled rows (K, V and positions)")
+RECALL_SECONDS = _unregistered(Histogram, "kvrelay_recall_seconds",
+                               "One recall, from asking to the rows in hand (or giving up)", buckets=LATENCY_BUCKETS)
+RECALL_FALLBACKS = _unregistered(Counter, "kvrelay_recall_fallbacks",
+                                 "Declared fallbacks taken, e.g. recall_timeout:continue_lossy", ("kind",))
+
 _COMMON: tuple[Collector, ...] = (RPC_REQUESTS, RPC_DURATION)
 _TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUPS_CREATED, PAIR_GROUPS_EVICTED)
 ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
     "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_RETRIES),
     "policy": (STALE_REJECTIONS,),
     "prefill": (STALE_REJECTIONS, PREFILL_STAGE, PREFILL_IN_FLIGHT, PREFILL_QUEUE_DEPTH, KV_ROWS, KV_BYTES,
-                *_TRANSFER),
+                OFFLOAD_STORE_BYTES, OFFLOAD_REFUSALS, OFFLOAD_RELEASED, OFFLOAD_RECALLS_SERVED, *_TRANSFER),
     "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED,
-               DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, *_TRANSFER),
+               DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, RECALLS, RECALL_ROWS, RECALL_BYTES, RECALL_SECONDS,
+               RECALL_FALLBACKS, *_TRANSFER),
 }
 
 

@@ -13,6 +13,7 @@ an exception records it with its status code and the field it names (kvrelay's t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -50,6 +51,18 @@ def start_span(name: str, parent: context.Context | None = None, /,
     """Start a span that the caller ends (`span.end()`), without making it current: for work
     that spans many iterations of a loop on another thread (decode step batches)."""
     return _TRACER.start_span(name, context=parent, attributes=_attributes(attributes))
+
+
+def record_span(name: str, parent: context.Context | None, duration_s: float, /,
+                error: str | None = None, **attributes: object) -> None:
+    """Record a span for work that another component ran and timed: it ends now and lasted
+    `duration_s`; `error`, when given, marks it failed with that description."""
+    end = time.time_ns()
+    start = end - max(0, int(duration_s * 1e9))
+    recorded = _TRACER.start_span(name, context=parent, attributes=_attributes(attributes), start_time=start)
+    if error is not None:
+        recorded.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    recorded.end(end_time=end)
 
 
 def annotate(**attributes: object) -> None:

@@ -16,6 +16,7 @@ from services.transfer.layout import PackedLayer, TensorSpec, ViewLayout, layer_
 from services.transfer.pairgroup import PairGroupConfig
 from services.transfer.receiver import KVReceiver, RecvTransfer
 from services.transfer.sender import KVSender, PairLease, SendTransfer
+from services.transfer.sidecar import Sidecar, SidecarLayout
 
 __all__ = [
     "Deadline",
@@ -30,6 +31,8 @@ __all__ = [
     "PeerLost",
     "RecvTransfer",
     "SendTransfer",
+    "Sidecar",
+    "SidecarLayout",
     "TensorSpec",
     "TransferDescriptor",
     "TransferError",

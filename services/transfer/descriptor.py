@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
 from services.transfer.errors import DescriptorInvalid, TransferKey
 from services.transfer.layout import TensorSpec, ViewLayout, dtype_from_name, layout_from_specs
+from services.transfer.sidecar import SidecarLayout, sidecar_from_specs, split_specs
 
 BACKENDS = ("gloo", "nccl")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -69,8 +70,9 @@ class TransferDescriptor:
     """Everything the decode worker needs to receive one packed view and tie it to a state.
 
     `layout` fixes every tensor that travels (`tensors()` lists them in send order) and the
-    rows of each layer, so layers can be sent as they are packed. `trace_context` is a W3C
-    text-map carrier (traceparent, tracestate), stored as sorted pairs.
+    rows of each layer, so layers can be sent as they are packed; `sidecar`, for recallable
+    manifests, the page summaries (and host-tier rows) that follow the last layer.
+    `trace_context` is a W3C text-map carrier (traceparent, tracestate), stored as sorted pairs.
     """
 
     transfer_id: str
@@ -83,6 +85,7 @@ class TransferDescriptor:
     route: PairRoute
     layout: ViewLayout
     trace_context: tuple[tuple[str, str], ...] = ()
+    sidecar: SidecarLayout | None = None
 
     def __post_init__(self) -> None:
         for name in ("transfer_id", "request_id", "source_worker"):
@@ -96,14 +99,24 @@ class TransferDescriptor:
         if not isinstance(self.receipt_digest, str) or not _DIGEST.fullmatch(self.receipt_digest):
             raise DescriptorInvalid("receipt.digest", f"{self.receipt_digest!r} is not a lowercase SHA-256 hex digest")
         object.__setattr__(self, "trace_context", _carrier_pairs(self.trace_context))
+        sidecar = self.sidecar
+        if sidecar is not None and (sidecar.num_layers, sidecar.num_owners, sidecar.head_dim) != (
+            self.layout.num_layers, self.layout.num_owners, self.layout.head_dim
+        ):
+            raise DescriptorInvalid("tensors", f"sidecar {sidecar} does not match the view layout {self.layout}")
 
     @property
     def key(self) -> TransferKey:
         return TransferKey(self.request_id, self.request_generation, self.state_generation, self.transfer_id)
 
     def tensors(self) -> tuple[TensorSpec, ...]:
-        """Every message of the transfer, in send order."""
-        return self.layout.specs()
+        """Every message of the transfer, in send order: the view's layers, then the sidecar."""
+        return self.layout.specs() + (self.sidecar.specs() if self.sidecar is not None else ())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the transfer moves: the view (payload and metadata) plus its sidecar."""
+        return self.layout.nbytes + (self.sidecar.nbytes if self.sidecar is not None else 0)
 
     def trace_carrier(self) -> dict[str, str]:
         """The trace context as the dict an OpenTelemetry propagator reads."""
@@ -112,7 +125,8 @@ class TransferDescriptor:
 
 def to_proto(descriptor: TransferDescriptor) -> decode_pb2.TransferDescriptor:
     """The wire message. Fields this layer does not own (first token, sampling, ledger,
-    offload handoff, prompt tokens, deadline) are left for the caller to set."""
+    recoverability and offload handoff, prompt tokens, deadline) are left for the caller to
+    set; the page size travels here because the sidecar's summaries need it."""
     return decode_pb2.TransferDescriptor(
         transfer_id=descriptor.transfer_id,
         request_id=descriptor.request_id,
@@ -132,6 +146,7 @@ def to_proto(descriptor: TransferDescriptor) -> decode_pb2.TransferDescriptor:
         rendezvous_address=descriptor.route.to_address(),
         source_worker=descriptor.source_worker,
         trace_context=descriptor.trace_carrier(),
+        page_size=descriptor.sidecar.page_size if descriptor.sidecar is not None else 0,
     )
 
 
@@ -148,6 +163,10 @@ def from_proto(message: decode_pb2.TransferDescriptor) -> TransferDescriptor:
         dtype_from_name(spec.dtype, f"tensors[{index}].dtype")
         if wire.nbytes != spec.nbytes:
             raise DescriptorInvalid(f"tensors[{index}].nbytes", f"{wire.nbytes} != {spec.nbytes} implied by shape and dtype")
+    view_specs, sidecar_specs = split_specs(specs)
+    layout = layout_from_specs(view_specs)
+    if sidecar_specs and message.page_size < 1:
+        raise DescriptorInvalid("page_size", f"{message.page_size}: the page summaries need a positive page size")
     return TransferDescriptor(
         transfer_id=message.transfer_id,
         request_id=message.request_id,
@@ -157,8 +176,9 @@ def from_proto(message: decode_pb2.TransferDescriptor) -> TransferDescriptor:
         receipt_digest=message.receipt.digest,
         source_worker=message.source_worker,
         route=PairRoute.parse(message.rendezvous_address),
-        layout=layout_from_specs(specs),
+        layout=layout,
         trace_context=tuple(message.trace_context.items()),
+        sidecar=sidecar_from_specs(sidecar_specs, message.page_size, layout.v_dtype),
     )
 
 

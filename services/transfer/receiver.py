@@ -4,6 +4,7 @@
     transfer = receiver.start_recv(from_proto(message), deadline)   # in AcceptTransfer
     first = transfer.wait_for_layer(0, deadline)              # usable before the rest arrives
     view = transfer.wait_for_view(deadline)                   # -> PackedKVView
+    sidecar = transfer.wait_for_sidecar(deadline)             # -> Sidecar | None
 
 Receives are posted as soon as the pair group is connected, straight into the buffers of
 the final view (no copies). Every layer is checked against the descriptor before it is
@@ -35,6 +36,7 @@ from services.transfer.pairgroup import (
     backend_for,
     wire_tag,
 )
+from services.transfer.sidecar import Sidecar, allocate_sidecar, sidecar_from_buffers, sidecar_tag
 
 
 class KVReceiver:
@@ -106,6 +108,10 @@ class RecvTransfer:
         self._buffers = _allocate(descriptor.layout, device)
         self._layers = [_layer_view(self._buffers, descriptor.layout, layer) for layer in range(descriptor.layout.num_layers)]
         self._works: list[list[dist.Work]] = [[] for _ in self._layers]
+        layout = descriptor.sidecar
+        self._sidecar_buffers = allocate_sidecar(layout, device) if layout is not None else {}
+        self._sidecar_works: list[dist.Work] = []
+        self._sidecar: Sidecar | None = None
         self._lock = threading.Lock()
         self._posted = False
         self._done: set[int] = set()
@@ -138,10 +144,39 @@ class RecvTransfer:
         except PackingError as exc:
             raise TransferMismatch(self._key, exc.field, exc.reason) from exc
 
+    def wait_for_sidecar(self, deadline: Deadline) -> Sidecar | None:
+        """Block until the page summaries (and host-tier rows) have arrived; None when the
+        descriptor announces no sidecar. They are validated and in host memory."""
+        layout = self.descriptor.sidecar
+        if layout is None:
+            return None
+        if self._error is not None:
+            raise self._error
+        if self._sidecar is None:
+            try:
+                self._group.wait_ready(deadline, self._key)
+                self._post_all()
+                if self._error is not None:
+                    raise self._error
+                for work in self._sidecar_works:
+                    self._group.wait(work, deadline, self._key)
+                self._sidecar = sidecar_from_buffers(layout, self._sidecar_buffers, self._key)
+            except TransferError as exc:
+                self._fail(exc)
+                raise
+            self.bytes_moved += layout.nbytes
+            self._release_when_done()
+        return self._sidecar
+
     def cancel(self, reason: str) -> None:
         """Abandon the transfer; if anything is still in flight the pair group is torn down."""
-        if self._error is None and len(self._done) < len(self._layers):
+        if self._error is None and not self._complete:
             self._fail(PeerLost(self._key, f"cancelled: {reason}"))
+
+    @property
+    def _complete(self) -> bool:
+        sidecar_done = self.descriptor.sidecar is None or self._sidecar is not None
+        return len(self._done) == len(self._layers) and sidecar_done
 
     def _receive(self, layer: int, deadline: Deadline) -> None:
         try:
@@ -157,7 +192,10 @@ class RecvTransfer:
             raise
         self._done.add(layer)
         self.bytes_moved += self._layers[layer].nbytes
-        if len(self._done) == len(self._layers):
+        self._release_when_done()
+
+    def _release_when_done(self) -> None:
+        if self._complete:
             self._pool.release(self._group)
 
     def _post_all(self) -> None:
@@ -173,6 +211,11 @@ class RecvTransfer:
                         for field, tensor in enumerate(layer.wire_tensors())
                         if tensor.numel() > 0
                     ]
+                self._sidecar_works = [
+                    self._group.post_recv(tensor, sidecar_tag(name), self._key)
+                    for name, tensor in self._sidecar_buffers.items()
+                    if tensor.numel() > 0
+                ]
             except TransferError as exc:
                 self._error = exc
 

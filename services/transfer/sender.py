@@ -6,6 +6,7 @@
     decode_stub.AcceptTransfer(to_proto(descriptor))          # control over gRPC
     for layer in range(L):
         transfer.send_layer(layer_of(view, layer))            # as soon as layer is packed
+    transfer.send_sidecar(sidecar)                            # recallable manifests only
     transfer.wait_for_send(deadline)
 
 `send_layer` never blocks: layers queue until the group is connected and then go out in
@@ -37,6 +38,7 @@ from services.transfer.pairgroup import (
     new_epoch,
     wire_tag,
 )
+from services.transfer.sidecar import Sidecar, check_sidecar, sidecar_tag
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class SendTransfer:
         self._pool = pool
         self._lock = threading.Lock()
         self._given: set[int] = set()
+        self._sidecar_given = False
         self._queued: list[tuple[int, torch.Tensor]] = []  # (tag, tensor) not yet posted
         self._posted: list[tuple[dist.Work, torch.Tensor]] = []  # in send order
         self._error: TransferError | None = None
@@ -165,6 +168,25 @@ class SendTransfer:
             self._queued.extend(messages)
         self._post_queued()
 
+    def send_sidecar(self, sidecar: Sidecar) -> None:
+        """Queue the page summaries (and host-tier rows) the descriptor announces after the
+        last layer; like `send_layer`, never blocks on the network."""
+        layout = self.descriptor.sidecar
+        if layout is None:
+            raise TransferMismatch(self._key, "sidecar", "the descriptor announces no sidecar")
+        if self._sidecar_given:
+            raise TransferMismatch(self._key, "sidecar", "was already sent")
+        check_sidecar(layout, sidecar, self._key)
+        messages = [
+            (sidecar_tag(name), tensor.to(self._group.device).contiguous())
+            for name, tensor in sidecar.tensors().items()
+            if tensor.numel() > 0
+        ]
+        self._sidecar_given = True
+        with self._lock:
+            self._queued.extend(messages)
+        self._post_queued()
+
     def wait_for_send(self, deadline: Deadline) -> int:
         """Block until every layer is out; returns the bytes moved. On any failure the pair
         group is torn down and a typed error is raised."""
@@ -175,6 +197,8 @@ class SendTransfer:
             missing = sorted(set(range(self.descriptor.layout.num_layers)) - self._given)
             if missing:
                 raise TransferMismatch(self._key, "layer", f"layers {missing} were never sent")
+            if self.descriptor.sidecar is not None and not self._sidecar_given:
+                raise TransferMismatch(self._key, "sidecar", "was never sent")
             self._post_queued()
             if self._error is not None:
                 raise self._error

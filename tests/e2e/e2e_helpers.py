@@ -122,6 +122,9 @@ class UpStack:
     def launch_decode(self, name: str, ports: WorkerPorts) -> ServiceProcess:
         return self._stack.launch_decode(name, ports)
 
+    def launch_prefill(self, name: str, port: int, args: tuple[str, ...] = ()) -> ServiceProcess:
+        return self._stack.launch_prefill(name, port, args)
+
     def dead(self) -> list[str]:
         return [name for name, pid in self.pids.items() if not alive(pid)]
 

@@ -379,12 +379,13 @@ def test_recallable_mode_requires_every_recall_field(missing: str) -> None:
     ("field", "value"),
     [
         ("recall_threshold", 1.0),
-        ("recall_threshold", 0.0),
+        ("recall_threshold", -0.01),
         ("page_size", 0),
         ("max_pages_per_step", 0),
         ("recall_cadence_steps", 0),
         ("recall_timeout_ms", -5),
         ("full_recall_on_quality_gate", 1.0),
+        ("full_recall_on_quality_gate", 0.0),
         ("handoff_id", " "),
     ],
 )
@@ -392,6 +393,25 @@ def test_recall_field_ranges(field: str, value: Any) -> None:
     expect_invalid(
         mutated(base(), "recoverability", {**RECALLABLE, field: value}), f"recoverability.{field}"
     )
+
+
+def test_threshold_zero_means_recall_every_omitted_page_and_has_its_own_identity() -> None:
+    zero = KVVisibilityPolicyManifest.from_dict(
+        mutated(base(), "recoverability", {**RECALLABLE, "recall_threshold": 0.0})
+    )
+    assert zero.recoverability.recall_threshold == 0.0
+    gated = KVVisibilityPolicyManifest.from_dict(
+        mutated(
+            base(),
+            "recoverability",
+            {**RECALLABLE, "recall_threshold": 0, "full_recall_on_quality_gate": 0.5},
+        )
+    )
+    assert gated.recoverability.full_recall_on_quality_gate == 0.5
+    default = KVVisibilityPolicyManifest.from_dict(mutated(base(), "recoverability", RECALLABLE))
+    assert len({zero.sha256, gated.sha256, default.sha256}) == 3
+    again = KVVisibilityPolicyManifest.from_json(zero.canonical_json())
+    assert again.sha256 == zero.sha256
 
 
 def test_full_policy_has_nothing_to_recall() -> None:

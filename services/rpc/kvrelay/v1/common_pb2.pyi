@@ -167,7 +167,7 @@ class Receipt(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., generations: _Optional[_Union[Generations, _Mapping]] = ..., frontier: _Optional[int] = ..., position_origin: _Optional[int] = ..., retained_rows: _Optional[int] = ..., omitted_rows: _Optional[int] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes")
+    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes")
     BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     FULL_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,8 @@ class Ledger(_message.Message):
     QUERY_EXPANDED_DEMAND_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     RECALLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SUMMARY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes_per_row: int
     full_payload_bytes: int
     visible_payload_bytes: int
@@ -188,7 +190,9 @@ class Ledger(_message.Message):
     query_expanded_demand_bytes: int
     bytes_moved: int
     recalled_bytes: int
-    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ...) -> None: ...
+    page_summary_bytes: int
+    host_tier_bytes: int
+    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")

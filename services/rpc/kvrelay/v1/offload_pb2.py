@@ -22,9 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from services.rpc.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
+from services.rpc.kvrelay.v1 import decode_pb2 as kvrelay_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/offload.proto\x12\nkvrelay.v1\"=\n\x07PageRef\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07kv_head\x18\x02 \x01(\x05\x12\x12\n\npage_index\x18\x03 \x01(\x05\"\x91\x02\n\rRecallRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x1f\n\x17parent_state_generation\x18\x03 \x01(\x03\x12\x12\n\nhandoff_id\x18\x04 \x01(\t\x12\"\n\x05pages\x18\x05 \x03(\x0b\x32\x13.kvrelay.v1.PageRef\x12\x42\n\rtrace_context\x18\x06 \x03(\x0b\x32+.kvrelay.v1.RecallRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"{\n\x0cRecalledPage\x12!\n\x04page\x18\x01 \x01(\x0b\x32\x13.kvrelay.v1.PageRef\x12\x11\n\tpositions\x18\x02 \x03(\x03\x12\t\n\x01k\x18\x03 \x01(\x0c\x12\t\n\x01v\x18\x04 \x01(\x0c\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\"n\n\x0eRecallResponse\x12\'\n\x05pages\x18\x01 \x03(\x0b\x32\x18.kvrelay.v1.RecalledPage\x12$\n\x07missing\x18\x02 \x03(\x0b\x32\x13.kvrelay.v1.PageRef\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x32Q\n\x0eOffloadService\x12?\n\x06Recall\x12\x19.kvrelay.v1.RecallRequest\x1a\x1a.kvrelay.v1.RecallResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/offload.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\x1a\x17kvrelay/v1/decode.proto\"=\n\x07PageRef\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07kv_head\x18\x02 \x01(\x05\x12\x12\n\npage_index\x18\x03 \x01(\x05\"\xbd\x02\n\rRecallRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x1f\n\x17parent_state_generation\x18\x03 \x01(\x03\x12\x12\n\nhandoff_id\x18\x04 \x01(\t\x12\"\n\x05pages\x18\x05 \x03(\x0b\x32\x13.kvrelay.v1.PageRef\x12\x42\n\rtrace_context\x18\x06 \x03(\x0b\x32+.kvrelay.v1.RecallRequest.TraceContextEntry\x12\x1a\n\x12rendezvous_address\x18\x07 \x01(\t\x12\x0e\n\x06inline\x18\x08 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9a\x01\n\x0cRecalledPage\x12!\n\x04page\x18\x01 \x01(\x0b\x32\x13.kvrelay.v1.PageRef\x12\x11\n\tpositions\x18\x02 \x03(\x03\x12\t\n\x01k\x18\x03 \x01(\x0c\x12\t\n\x01v\x18\x04 \x01(\x0c\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0c\n\x04rows\x18\x07 \x01(\x05\x12\x0f\n\x07v_dtype\x18\x08 \x01(\t\"\xce\x01\n\x0eRecallResponse\x12\'\n\x05pages\x18\x01 \x03(\x0b\x32\x18.kvrelay.v1.RecalledPage\x12$\n\x07missing\x18\x02 \x03(\x0b\x32\x13.kvrelay.v1.PageRef\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x30\n\x08transfer\x18\x04 \x01(\x0b\x32\x1e.kvrelay.v1.TransferDescriptor\x12,\n\x0bgenerations\x18\x05 \x01(\x0b\x32\x17.kvrelay.v1.Generations\"W\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x12\n\nhandoff_id\x18\x03 \x01(\t\"7\n\x12RenewLeaseResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x05\x12\x10\n\x08lease_ms\x18\x02 \x01(\x03\"T\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x12\n\nhandoff_id\x18\x03 \x01(\t\"&\n\x0fReleaseResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x32\xe2\x01\n\x0eOffloadService\x12?\n\x06Recall\x12\x19.kvrelay.v1.RecallRequest\x1a\x1a.kvrelay.v1.RecallResponse\x12K\n\nRenewLease\x12\x1d.kvrelay.v1.RenewLeaseRequest\x1a\x1e.kvrelay.v1.RenewLeaseResponse\x12\x42\n\x07Release\x12\x1a.kvrelay.v1.ReleaseRequest\x1a\x1b.kvrelay.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RECALLREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_RECALLREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_PAGEREF']._serialized_start=40
-  _globals['_PAGEREF']._serialized_end=101
-  _globals['_RECALLREQUEST']._serialized_start=104
-  _globals['_RECALLREQUEST']._serialized_end=377
-  _globals['_RECALLREQUEST_TRACECONTEXTENTRY']._serialized_start=326
-  _globals['_RECALLREQUEST_TRACECONTEXTENTRY']._serialized_end=377
-  _globals['_RECALLEDPAGE']._serialized_start=379
-  _globals['_RECALLEDPAGE']._serialized_end=502
-  _globals['_RECALLRESPONSE']._serialized_start=504
-  _globals['_RECALLRESPONSE']._serialized_end=614
-  _globals['_OFFLOADSERVICE']._serialized_start=616
-  _globals['_OFFLOADSERVICE']._serialized_end=697
+  _globals['_PAGEREF']._serialized_start=90
+  _globals['_PAGEREF']._serialized_end=151
+  _globals['_RECALLREQUEST']._serialized_start=154
+  _globals['_RECALLREQUEST']._serialized_end=471
+  _globals['_RECALLREQUEST_TRACECONTEXTENTRY']._serialized_start=420
+  _globals['_RECALLREQUEST_TRACECONTEXTENTRY']._serialized_end=471
+  _globals['_RECALLEDPAGE']._serialized_start=474
+  _globals['_RECALLEDPAGE']._serialized_end=628
+  _globals['_RECALLRESPONSE']._serialized_start=631
+  _globals['_RECALLRESPONSE']._serialized_end=837
+  _globals['_RENEWLEASEREQUEST']._serialized_start=839
+  _globals['_RENEWLEASEREQUEST']._serialized_end=926
+  _globals['_RENEWLEASERESPONSE']._serialized_start=928
+  _globals['_RENEWLEASERESPONSE']._serialized_end=983
+  _globals['_RELEASEREQUEST']._serialized_start=985
+  _globals['_RELEASEREQUEST']._serialized_end=1069
+  _globals['_RELEASERESPONSE']._serialized_start=1071
+  _globals['_RELEASERESPONSE']._serialized_end=1109
+  _globals['_OFFLOADSERVICE']._serialized_start=1112
+  _globals['_OFFLOADSERVICE']._serialized_end=1338
 # @@protoc_insertion_point(module_scope)

@@ -39,13 +39,38 @@ class OffloadServiceStub:
                 request_serializer=kvrelay_dot_v1_dot_offload__pb2.RecallRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_offload__pb2.RecallResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/kvrelay.v1.OffloadService/RenewLease',
+                request_serializer=kvrelay_dot_v1_dot_offload__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_offload__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvrelay.v1.OffloadService/Release',
+                request_serializer=kvrelay_dot_v1_dot_offload__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_offload__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class OffloadServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Recall(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Fetches omitted pages of a request's offloaded state and renews its lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
+        """Extends the lease on a request's offloaded rows while the request decodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """The request ended (finished, cancelled or failed): its offloaded rows are dropped now.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -57,6 +82,16 @@ def add_OffloadServiceServicer_to_server(servicer, server):
                     servicer.Recall,
                     request_deserializer=kvrelay_dot_v1_dot_offload__pb2.RecallRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_offload__pb2.RecallResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=kvrelay_dot_v1_dot_offload__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_offload__pb2.RenewLeaseResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvrelay_dot_v1_dot_offload__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_offload__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +121,60 @@ class OffloadService:
             '/kvrelay.v1.OffloadService/Recall',
             kvrelay_dot_v1_dot_offload__pb2.RecallRequest.SerializeToString,
             kvrelay_dot_v1_dot_offload__pb2.RecallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.OffloadService/RenewLease',
+            kvrelay_dot_v1_dot_offload__pb2.RenewLeaseRequest.SerializeToString,
+            kvrelay_dot_v1_dot_offload__pb2.RenewLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.OffloadService/Release',
+            kvrelay_dot_v1_dot_offload__pb2.ReleaseRequest.SerializeToString,
+            kvrelay_dot_v1_dot_offload__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

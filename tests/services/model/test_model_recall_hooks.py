@@ -1,0 +1,118 @@
+"""The decode runtime's recall hooks: a captured step (queries and log-sum-exps against a
+brute-force recomputation, logits unchanged) and undoing the step just committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.kvpolicy.packing import pack
+from services.model import DecodeCache, InvalidModelInput, StepCapture, decode_step
+from services.model.config import parse_model_config
+from services.model.layers import apply_rotary
+from services.model.model import CausalLM
+
+torch.set_num_threads(1)
+
+PROMPT = 12
+
+
+def tiny_llama(**overrides: object) -> CausalLM:
+    config = parse_model_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 50,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "torch_dtype": "float32",
+            **overrides,
+        }
+    )
+    torch.manual_seed(0)
+    return CausalLM(config).eval().requires_grad_(False)
+
+
+def ragged_cache(model: CausalLM, expand: bool) -> DecodeCache:
+    """One request whose owners keep different positions of a random prompt."""
+    config = model.config
+    owners = config.num_q_heads if expand else config.num_kv_heads
+    generator = torch.Generator().manual_seed(1)
+    k = torch.randn(2, config.num_kv_heads, PROMPT, config.head_dim, generator=generator)
+    v = torch.randn(2, config.num_kv_heads, PROMPT, config.head_dim, generator=generator)
+    selected = [
+        [
+            sorted({0, PROMPT - 1, *range(layer + owner, PROMPT, 2 + owner)})
+            for owner in range(owners)
+        ]
+        for layer in range(2)
+    ]
+    owner_map = config.q_to_kv_head_map if expand else None
+    cache = DecodeCache(config, torch.float32, row_capacity=4, owner_to_kv_head=owner_map)
+    cache.admit_view("req", pack(k, v, selected, owner_map), frontier=PROMPT)
+    return cache
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_captured_queries_and_log_sum_exps_match_a_brute_force_recomputation(
+    expand: bool,
+) -> None:
+    model = tiny_llama()
+    plain = decode_step(model, ragged_cache(model, expand), [7])
+    cache = ragged_cache(model, expand)
+    capture = StepCapture()
+    logits = decode_step(model, cache, [7], capture)
+    assert torch.equal(logits, plain)  # capturing changes nothing the step computes
+    query, lse = capture.query(0), capture.log_sum_exp(0)  # [L, H_q, d_h], [L, H_q]
+    assert query.shape == (2, 4, 8) and lse.shape == (2, 4)
+    layer0 = model.model.blocks()[0]
+    x = layer0.input_layernorm(model.model.embed_tokens(torch.tensor([7])))  # [1, D]
+    cos, sin = model.rope(torch.tensor([PROMPT]), x.dtype)
+    q = apply_rotary(layer0.self_attn.q_proj(x).view(1, 4, 8), cos, sin)[0]  # [H_q, d_h]
+    torch.testing.assert_close(query[0], q)
+    for layer in range(2):
+        for head, owner in enumerate(cache.head_to_owner):
+            keys, _, positions = cache.rows("req", layer, owner)
+            assert int(positions.max()) == PROMPT  # the step's own row is visible
+            expected = torch.logsumexp(keys @ query[layer, head] * cache.scale, dim=0)
+            torch.testing.assert_close(lse[layer, head], expected)
+
+
+def test_head_to_owner_follows_the_cache_layout() -> None:
+    model = tiny_llama()
+    assert ragged_cache(model, expand=False).head_to_owner == (0, 0, 1, 1)
+    assert ragged_cache(model, expand=True).head_to_owner == (0, 1, 2, 3)
+
+
+def test_undo_step_takes_the_step_back_so_it_can_run_again() -> None:
+    model = tiny_llama()
+    cache = ragged_cache(model, expand=False)
+    lengths = cache.lengths("req").clone()
+    first = decode_step(model, cache, [5])
+    cache.undo_step()
+    assert torch.equal(cache.lengths("req"), lengths) and cache.frontier().tolist() == [PROMPT]
+    with pytest.raises(InvalidModelInput, match="undo_step"):
+        cache.undo_step()
+    assert torch.equal(decode_step(model, cache, [5]), first)
+    assert cache.frontier().tolist() == [PROMPT + 1]
+
+
+def test_undo_step_refuses_once_rows_were_written_or_requests_changed() -> None:
+    model = tiny_llama()
+    cache = ragged_cache(model, expand=False)
+    decode_step(model, cache, [5])
+    row = torch.zeros(1, 8)
+    cache.append_rows("req", 0, 0, row, row, torch.tensor([3]))
+    with pytest.raises(InvalidModelInput, match="undo_step"):
+        cache.undo_step()
+    decode_step(model, cache, [5])
+    cache.admit_dense("other", torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8))
+    with pytest.raises(InvalidModelInput, match="undo_step"):
+        cache.undo_step()

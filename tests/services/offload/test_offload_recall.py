@@ -1,0 +1,521 @@
+"""The recall engine on a tiny random Llama: recalled steps against full-cache decode and a
+dense masked-attention reference, fallbacks, cadence, page limits, successor states."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from kv_helpers import symbolic_kv
+
+from services.kvpolicy import allocation, snapkv
+from services.kvpolicy.manifest import (
+    KVVisibilityPolicyManifest,
+    TimeoutFallback,
+    default_manifests,
+)
+from services.kvpolicy.packing import PackedKVView, pack
+from services.kvpolicy.state import KVPolicyState
+from services.model import DecodeCache, PrefillOptions, PrefillResult, decode_step, prefill
+from services.model.config import make_tensor_contract, parse_model_config
+from services.model.model import CausalLM
+from services.offload.errors import RecallFailed, RecallUnavailable
+from services.offload.pages import (
+    OmittedRows,
+    PageRef,
+    PageSummaries,
+    RecalledPage,
+    gather_omitted,
+    summarize_pages,
+)
+from services.offload.recall import (
+    RecallKnobs,
+    RecallSession,
+    RecallStatus,
+    decode_with_recall,
+    merge_into_cache,
+    with_recall,
+)
+from services.offload.store import OffloadStore, OffloadStoreConfig, StoreKey
+
+torch.set_num_threads(1)
+
+PROMPT = 40
+OBS_WINDOW = 4
+STEPS = 5
+ATOL = 2e-5
+
+
+def tiny_llama(seed: int = 3) -> CausalLM:
+    """2 layers, H_q 4 on H_kv 2, d_h 8; q/k weights scaled up so attention is peaked."""
+    config = parse_model_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 61,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 128,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "torch_dtype": "float32",
+        }
+    )
+    torch.manual_seed(seed)
+    model = CausalLM(config).eval().requires_grad_(False)
+    for layer in model.model.blocks():
+        layer.self_attn.q_proj.weight.mul_(3.0)
+        layer.self_attn.k_proj.weight.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> CausalLM:
+    return tiny_llama()
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """One prompt prefilled and compressed by SnapKV (25%), with its omitted rows stored."""
+
+    manifest: KVVisibilityPolicyManifest
+    result: PrefillResult
+    selected: tuple[tuple[tuple[int, ...], ...], ...]
+    view: PackedKVView
+    summaries: PageSummaries
+    rows: OmittedRows
+    state: KVPolicyState
+    first_token: int
+
+
+def compress(
+    model: CausalLM, knobs: RecallKnobs, seed: int = 0, recallable: bool = True
+) -> Compressed:
+    tensor = make_tensor_contract(model.config, torch.float32)
+    base = default_manifests(tensor, budget_fraction=0.25, observation_window=OBS_WINDOW)["snapkv"]
+    manifest = with_recall(base, knobs) if recallable else base
+    ids = torch.randint(3, 61, (PROMPT,), generator=torch.Generator().manual_seed(seed))
+    result = prefill(model, ids, PrefillOptions(obs_window=OBS_WINDOW))
+    scores = snapkv.score(manifest, result.observation, PROMPT)
+    budgets = allocation.allocate(manifest, PROMPT, scores)
+    selected = snapkv.select(manifest, scores, budgets, PROMPT)
+    view = pack(result.source_k, result.source_v, selected)
+    summaries = summarize_pages(result.source_k, selected, knobs.page_size)
+    rows = gather_omitted(result.source_k, result.source_v, summaries)
+    state = KVPolicyState(
+        request_id="req",
+        manifest_sha256=manifest.sha256,
+        request_generation=1,
+        state_generation=1,
+        parent_state_generation=0,
+        cache_generation=1,
+        frontier=PROMPT,
+        selected_positions=selected,
+        protected_positions=snapkv.protected_positions(manifest, PROMPT),
+    )
+    first = int(result.logits.argmax())
+    return Compressed(manifest, result, selected, view, summaries, rows, state, first)
+
+
+class StoreFetcher:
+    """Fetches from a real OffloadStore holding the request's omitted rows; counts calls."""
+
+    def __init__(self, rows: OmittedRows) -> None:
+        self.store = OffloadStore(OffloadStoreConfig(capacity_bytes=1 << 24, lease_s=60.0))
+        self.key = StoreKey("req", 1, 1)
+        self.store.put(self.key, rows)
+        self.calls: list[tuple[PageRef, ...]] = []
+
+    def __call__(self, refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
+        self.calls.append(tuple(refs))
+        fetched = self.store.fetch(self.key, refs)
+        if fetched.missing:
+            raise RecallUnavailable(f"{len(fetched.missing)} pages gone")
+        return fetched.pages
+
+
+class FailingFetcher:
+    """Raises RecallUnavailable for its first `failures` calls, then fetches."""
+
+    def __init__(self, rows: OmittedRows, failures: int, timed_out: bool = True) -> None:
+        self.inner = StoreFetcher(rows)
+        self.failures, self.timed_out, self.calls = failures, timed_out, 0
+
+    def __call__(self, refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RecallUnavailable("offload tier did not answer", timed_out=self.timed_out)
+        return self.inner(refs, timeout_s)
+
+
+def view_cache(model: CausalLM, compressed: Compressed, request_id: str = "req") -> DecodeCache:
+    cache = DecodeCache(model.config, torch.float32, row_capacity=8)
+    cache.admit_view(request_id, compressed.view, frontier=PROMPT)
+    return cache
+
+
+def dense_cache(model: CausalLM, compressed: Compressed) -> DecodeCache:
+    cache = DecodeCache(model.config, torch.float32, row_capacity=8)
+    cache.admit_dense("req", compressed.result.source_k, compressed.result.source_v)
+    return cache
+
+
+def greedy(
+    model: CausalLM, cache: DecodeCache, first: int, steps: int = STEPS
+) -> list[torch.Tensor]:
+    """Logits `[V]` of `steps` greedy steps of the cache's single request."""
+    token, out = first, []
+    for _ in range(steps):
+        logits = decode_step(model, cache, [token])[0]
+        out.append(logits)
+        token = int(logits.argmax())
+    return out
+
+
+def greedy_with_recall(
+    model: CausalLM, cache: DecodeCache, session: RecallSession, first: int, steps: int = STEPS
+) -> tuple[list[torch.Tensor], list]:
+    token, logits_out, outcomes = first, [], []
+    for _ in range(steps):
+        step = session.decode_step(model, cache, token)
+        logits_out.append(step.logits[0])
+        outcomes.append(step.outcomes[session.request_id])
+        token = int(step.logits[0].argmax())
+    return logits_out, outcomes
+
+
+class MaskedDense:
+    """Reference decode: every K/V row kept, a per-(layer, owner) visibility mask hides the
+    omitted ones; query heads index their owner explicitly (no grouping reshape)."""
+
+    def __init__(self, model: CausalLM, compressed: Compressed) -> None:
+        self.model = model
+        result = compressed.result
+        self.keys = [result.source_k[layer].clone() for layer in range(2)]  # [H_kv, T, d_h]
+        self.values = [result.source_v[layer].clone() for layer in range(2)]
+        self.visible = torch.zeros(2, 2, PROMPT, dtype=torch.bool)  # [L, H_owner, T]
+        for layer, owners in enumerate(compressed.selected):
+            for owner, positions in enumerate(owners):
+                self.visible[layer, owner, list(positions)] = True
+        self.position = PROMPT
+        self.owner_of = torch.tensor(model.config.q_to_kv_head_map)
+
+    def reveal(self, pages: Sequence[PageRef], summaries: PageSummaries) -> None:
+        for ref in pages:
+            index = summaries.global_index(ref)
+            first, count = int(summaries.page_first[index]), int(summaries.page_count[index])
+            self.visible[ref.layer, ref.owner, first : first + count] = True
+
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        self.visible = torch.cat([self.visible, torch.ones(2, 2, 1, dtype=torch.bool)], dim=2)
+        logits = self.model(torch.tensor([token]), torch.tensor([self.position]), self._attend)
+        self.position += 1
+        return logits[0]
+
+    def _attend(self, layer: int):
+        def attend(q, k, v):  # q [1, H_q, d_h]; k, v [1, H_kv, d_h]
+            self.keys[layer] = torch.cat([self.keys[layer], k[0][:, None]], dim=1)
+            self.values[layer] = torch.cat([self.values[layer], v[0][:, None]], dim=1)
+            keys = self.keys[layer][self.owner_of]  # [H_q, S, d_h]
+            values = self.values[layer][self.owner_of]
+            logits = torch.einsum("hd,hsd->hs", q[0], keys) * self.model.scale  # [H_q, S]
+            logits = logits.masked_fill(~self.visible[layer][self.owner_of], float("-inf"))
+            return torch.einsum("hs,hsd->hd", logits.softmax(-1), values)[None]
+
+        return attend
+
+
+ALL_AT_ONCE = RecallKnobs(threshold=0.0, page_size=4, max_pages_per_step=10_000, cadence_steps=1)
+
+
+def test_threshold_zero_recalls_every_page_and_equals_full_cache_decode(model: CausalLM) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    fetch = StoreFetcher(compressed.rows)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, fetch, state=compressed.state
+    )
+    recalled, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token
+    )
+    full = greedy(model, dense_cache(model, compressed), compressed.first_token)
+    assert outcomes[0].status is RecallStatus.RECALLED
+    assert outcomes[0].rows == compressed.summaries.omitted_rows > 0
+    assert len(outcomes[0].pages) == compressed.summaries.num_pages
+    assert session.live_pages == 0
+    assert all(o.status is RecallStatus.NOT_DUE for o in outcomes[1:])  # nothing left to recall
+    assert [int(x.argmax()) for x in recalled] == [int(x.argmax()) for x in full]
+    for ours, reference in zip(recalled, full, strict=True):
+        torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+def test_full_recall_gate_recalls_everything_past_the_page_limit(model: CausalLM) -> None:
+    knobs = RecallKnobs(
+        threshold=0.0, page_size=4, max_pages_per_step=1, cadence_steps=1, full_recall_gate=1e-9
+    )
+    compressed = compress(model, knobs)
+    session = RecallSession(
+        compressed.manifest,
+        compressed.summaries,
+        StoreFetcher(compressed.rows),
+        state=compressed.state,
+    )
+    recalled, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token, steps=2
+    )
+    assert outcomes[0].full_recall and len(outcomes[0].pages) == compressed.summaries.num_pages
+    full = greedy(model, dense_cache(model, compressed), compressed.first_token, steps=2)
+    torch.testing.assert_close(recalled[1], full[1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("recallable", [False, True])
+def test_without_recall_the_output_is_the_lossy_decode(model: CausalLM, recallable: bool) -> None:
+    # irrecoverable manifest: disabled session; recallable with a threshold no bound reaches
+    knobs = RecallKnobs(threshold=1 - 1e-12, page_size=4, max_pages_per_step=4, cadence_steps=1)
+    compressed = compress(model, knobs, recallable=recallable)
+    fetch = StoreFetcher(compressed.rows)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, fetch, state=compressed.state
+    )
+    ours, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token
+    )
+    lossy = greedy(model, view_cache(model, compressed), compressed.first_token)
+    expected = RecallStatus.BELOW_THRESHOLD if recallable else RecallStatus.DISABLED
+    assert [o.status for o in outcomes] == [expected] * STEPS
+    assert fetch.calls == []
+    for a, b in zip(ours, lossy, strict=True):
+        assert torch.equal(a, b)  # the capture path computes exactly what the plain path does
+
+
+def test_partial_recall_steps_equal_dense_masked_attention_over_the_new_visible_set(
+    model: CausalLM,
+) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=3, cadence_steps=1)
+    compressed = compress(model, knobs, seed=1)
+    fetch = StoreFetcher(compressed.rows)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, fetch, state=compressed.state
+    )
+    ours, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token
+    )
+    reference = MaskedDense(model, compressed)
+    token = compressed.first_token
+    for logits, outcome in zip(ours, outcomes, strict=True):
+        assert outcome.status is RecallStatus.RECALLED and 0 < len(outcome.pages) <= 3
+        reference.reveal(outcome.pages, compressed.summaries)
+        torch.testing.assert_close(logits, reference.step(token), atol=ATOL, rtol=0)
+        token = int(logits.argmax())
+    assert [len(refs) for refs in fetch.calls] == [len(o.pages) for o in outcomes]
+    assert session.recalled_rows == sum(o.rows for o in outcomes)
+
+
+def test_cadence_evaluates_every_nth_step_and_respects_the_page_limit(model: CausalLM) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=2, cadence_steps=3)
+    compressed = compress(model, knobs)
+    fetch = StoreFetcher(compressed.rows)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, fetch, state=compressed.state
+    )
+    _, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token, steps=7
+    )
+    assert [o.evaluated for o in outcomes] == [True, False, False, True, False, False, True]
+    assert [o.step for o in outcomes] == list(range(7))
+    assert len(fetch.calls) == 3 and all(len(refs) == 2 for refs in fetch.calls)
+    assert session.live_pages == compressed.summaries.num_pages - 6
+
+
+def test_unavailable_rows_continue_lossy_then_recall_at_a_later_step(model: CausalLM) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    fetch = FailingFetcher(compressed.rows, failures=2)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, fetch, state=compressed.state
+    )
+    ours, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token, steps=4
+    )
+    assert [o.status for o in outcomes[:3]] == [
+        RecallStatus.CONTINUED_LOSSY,
+        RecallStatus.CONTINUED_LOSSY,
+        RecallStatus.RECALLED,
+    ]
+    assert outcomes[0].timed_out and outcomes[0].reason == "offload tier did not answer"
+    assert outcomes[0].fell_back and outcomes[0].successor is None
+    lossy = greedy(model, view_cache(model, compressed), compressed.first_token, steps=2)
+    assert torch.equal(ours[0], lossy[0]) and torch.equal(ours[1], lossy[1])
+    assert session.state.state_generation == 2 and session.live_pages == 0
+
+
+def test_fail_request_raises_a_typed_error(model: CausalLM) -> None:
+    knobs = replace(ALL_AT_ONCE, fallback=TimeoutFallback.FAIL_REQUEST)
+    compressed = compress(model, knobs)
+    fetch = FailingFetcher(compressed.rows, failures=1)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, fetch, state=compressed.state
+    )
+    with pytest.raises(RecallFailed) as info:
+        session.decode_step(model, view_cache(model, compressed), compressed.first_token)
+    assert info.value.timed_out and info.value.request_id == "req"
+    assert session.state == compressed.state
+
+
+def test_an_answer_after_the_deadline_counts_as_a_timeout(model: CausalLM) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    ticks = iter([0.0, 0.5, 0.5])  # the fetch takes 500 ms, the deadline is 200 ms
+    session = RecallSession(
+        compressed.manifest,
+        compressed.summaries,
+        StoreFetcher(compressed.rows),
+        state=compressed.state,
+        clock=lambda: next(ticks),
+    )
+    step = session.decode_step(model, view_cache(model, compressed), compressed.first_token)
+    outcome = step.outcomes["req"]
+    assert outcome.status is RecallStatus.CONTINUED_LOSSY and outcome.timed_out
+    assert "deadline 200 ms" in (outcome.reason or "") and session.live_pages > 0
+
+
+def test_rows_that_do_not_match_their_summary_are_never_merged(model: CausalLM) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    honest = StoreFetcher(compressed.rows)
+
+    def shifted(refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
+        pages = list(honest(refs, timeout_s))
+        pages[0] = replace(pages[0], positions=pages[0].positions + 1)
+        return pages
+
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, shifted, state=compressed.state
+    )
+    step = session.decode_step(model, view_cache(model, compressed), compressed.first_token)
+    assert step.outcomes["req"].status is RecallStatus.CONTINUED_LOSSY
+    assert "do not match" in (step.outcomes["req"].reason or "") and not step.recomputed
+
+
+def test_successor_states_chain_from_the_parent_with_the_recalled_positions(
+    model: CausalLM,
+) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=2, cadence_steps=1)
+    compressed = compress(model, knobs)
+    published: list[KVPolicyState] = []
+    session = RecallSession(
+        compressed.manifest,
+        compressed.summaries,
+        StoreFetcher(compressed.rows),
+        state=compressed.state,
+        on_successor=published.append,
+    )
+    _, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed), session, compressed.first_token, steps=2
+    )
+    parent = compressed.state
+    for step, (outcome, state) in enumerate(zip(outcomes, published, strict=True)):
+        assert outcome.successor == state
+        assert state.state_generation == parent.state_generation + 1
+        assert state.parent_state_generation == parent.state_generation
+        assert state.frontier == PROMPT + step + 1  # the step's own token is visible
+        # cache generations: 1 at prefill, +1 per decoded step, +1 per recall
+        assert state.cache_generation == 1 + 2 * (step + 1)
+        for ref in outcome.pages:
+            index = compressed.summaries.global_index(ref)
+            first, count = (
+                int(compressed.summaries.page_first[index]),
+                int(compressed.summaries.page_count[index]),
+            )
+            visible = set(state.selected_positions[ref.layer][ref.owner])
+            assert set(range(first, first + count)) <= visible
+            assert not set(range(first, first + count)) & set(
+                parent.selected_positions[ref.layer][ref.owner]
+            )
+        added = {
+            (layer, owner, p)
+            for layer, owners in enumerate(state.selected_positions)
+            for owner, positions in enumerate(owners)
+            for p in positions
+        } - {
+            (layer, owner, p)
+            for layer, owners in enumerate(parent.selected_positions)
+            for owner, positions in enumerate(owners)
+            for p in positions
+        }
+        assert len(added) == outcome.rows + 2 * 2 * (state.frontier - parent.frontier)
+        parent = state
+    assert session.state == published[-1] and session.cache_generation == 1 + 2 * 2
+
+
+@pytest.mark.parametrize("error", [RuntimeError("STALE"), RecallUnavailable("policy down")])
+def test_a_rejected_successor_merges_nothing(model: CausalLM, error: Exception) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+
+    def reject(state: KVPolicyState) -> None:
+        raise error
+
+    session = RecallSession(
+        compressed.manifest,
+        compressed.summaries,
+        StoreFetcher(compressed.rows),
+        state=compressed.state,
+        on_successor=reject,
+    )
+    cache = view_cache(model, compressed)
+    step = decode_with_recall(model, cache, [compressed.first_token], {"req": session})
+    lossy = greedy(model, view_cache(model, compressed), compressed.first_token, steps=1)
+    expected = (
+        RecallStatus.CONTINUED_LOSSY
+        if isinstance(error, RecallUnavailable)
+        else RecallStatus.FAILED
+    )
+    assert step.outcomes["req"].status is expected and not step.recomputed
+    assert torch.equal(step.logits[0], lossy[0])
+    assert (
+        session.state == compressed.state and session.live_pages == compressed.summaries.num_pages
+    )
+    assert int(cache.lengths("req").sum()) == compressed.view.total_rows + 2 * 2
+
+
+def test_batch_recall_recomputes_without_changing_the_other_requests(model: CausalLM) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    other = compress(model, ALL_AT_ONCE, seed=5)
+    session = RecallSession(
+        compressed.manifest,
+        compressed.summaries,
+        StoreFetcher(compressed.rows),
+        state=compressed.state,
+    )
+    cache = view_cache(model, other, request_id="other")
+    cache.admit_view("req", compressed.view, frontier=PROMPT)
+    tokens = [other.first_token, compressed.first_token]
+    step = decode_with_recall(model, cache, tokens, {"req": session})
+    assert step.recomputed and step.outcomes["req"].status is RecallStatus.RECALLED
+    alone = greedy(model, view_cache(model, other, request_id="other"), other.first_token, 1)
+    full = greedy(model, dense_cache(model, compressed), compressed.first_token, 1)
+    torch.testing.assert_close(step.logits[0], alone[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(step.logits[1], full[0], atol=ATOL, rtol=0)
+    assert cache.frontier().tolist() == [PROMPT + 1, PROMPT + 1]
+
+
+def test_recalled_rows_land_at_their_original_positions() -> None:
+    layers, heads, tokens, head_dim = 2, 2, 12, 4
+    k, v = symbolic_kv(layers, heads, tokens, head_dim)  # [L, H_kv, T, d_h]
+    selected = [[[0, 1, 5, 11], [0, 3, 4, 11]], [[0, 2, 9, 11], [0, 6, 7, 11]]]
+    summaries = summarize_pages(k, selected, page_size=3)
+    fetch = StoreFetcher(gather_omitted(k, v, summaries))
+    pages = fetch([summaries.page_ref(i) for i in range(summaries.num_pages)], timeout_s=1.0)
+    config = tiny_llama().config
+    cache = DecodeCache(replace(config, head_dim=head_dim), torch.float32, row_capacity=4)
+    cache.admit_view("req", pack(k, v, selected), frontier=tokens)
+    merge_into_cache(cache, "req", pages)
+    for layer in range(layers):
+        for head in range(heads):
+            keys, values, positions = cache.rows("req", layer, head)
+            assert sorted(positions.tolist()) == list(range(tokens))
+            for key, value, t in zip(keys, values, positions.tolist(), strict=True):
+                assert torch.equal(key, k[layer, head, t]) and torch.equal(value, v[layer, head, t])
