@@ -1,7 +1,5 @@
-"""The committed demo checkpoint: complete, small, a GQA Llama, loadable by kvrelay's runtime and
-in agreement with the transformers reference. The accuracy target (>= 95 % at 512/1K/2K) is
-measured by `kvrelay eval-checkpoint`; the bundled weights are still an interim snapshot (see
-services/model/demo_checkpoint/README.md), so no test asserts that they answer correctly yet."""
+"""The committed demo checkpoint: complete, small, a GQA Llama, and it answers needle questions
+with a full cache through kvrelay's runtime (and agrees with the transformers reference)."""
 
 from __future__ import annotations
 
@@ -12,11 +10,18 @@ import torch
 from tokenizers import Tokenizer
 
 from services.model import generate, load, needle
-from services.model.evaluate import EvalConfig, held_out_prompts
+from services.model.evaluate import ANSWER_TOKENS, EvalConfig, held_out_prompts
 from services.model.needle import Placement
 from services.model.train_demo import DEMO_CHECKPOINT
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
+# (context tokens, depth, placement, seed): held-out prompts, one per length and placement.
+CASES = [
+    (512, 0.1, Placement.END, 101),
+    (1024, 0.5, Placement.END, 102),
+    (2048, 0.9, Placement.END, 103),
+    (1024, 0.3, Placement.BEFORE_FILLER, 104),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,6 +55,16 @@ def test_runtime_loads_with_the_needle_tokenizer_and_gqa_contract(loaded) -> Non
     tokenizer = loaded.require_tokenizer()
     text = needle.build_prompt(256, 0.5, Placement.END, seed=1).text
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize(("tokens", "depth", "placement", "seed"), CASES)
+def test_runtime_answers_a_needle_question_with_full_cache(
+    loaded, tokens: int, depth: float, placement: Placement, seed: int
+) -> None:
+    prompt = needle.build_prompt(tokens, depth, placement, seed)
+    tokenizer = loaded.require_tokenizer()
+    generated = generate(loaded, tokenizer.encode(prompt.text), ANSWER_TOKENS)
+    assert tokenizer.decode(generated).split()[0] == prompt.answer
 
 
 def test_runtime_agrees_with_the_transformers_reference(loaded) -> None:
