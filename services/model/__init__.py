@@ -1,4 +1,5 @@
-"""The model runtime: load an HF-format Llama/Mistral/Qwen2/Qwen3 checkpoint, prefill with
+"""The model runtime: load an HF-format Llama/Mistral/Qwen2/Qwen3 checkpoint directory or a
+llama/qwen2 GGUF file (`load("model.gguf")`, dequantized to fp32 by default), prefill with
 observation-window capture, decode over ragged packed KV views, sample.
 
     loaded = load("path/to/checkpoint", device="cpu", dtype="bfloat16")
@@ -19,8 +20,12 @@ from services.model.errors import (
     ModelError,
     UnsupportedArchitecture,
 )
+from services.model.gguf import UnsupportedGGUFArchitecture
+from services.model.gguf_metadata import InvalidGGUFFile, MissingGGUFKey, TruncatedGGUFFile
+from services.model.gguf_tensors import MissingGGUFTensor, UnsupportedTensorType
+from services.model.gguf_tokenizer import GGUFTokenizerError
 from services.model.kvcache import DecodeCache, StepCapture
-from services.model.loader import LoadedModel, load
+from services.model.loader import CheckpointInfo, LoadedModel, load, read_checkpoint
 from services.model.runtime import (
     LayerPrefill,
     PrefillOptions,
@@ -33,26 +38,35 @@ from services.model.runtime import (
 from services.model.sampler import SamplingParams, finish_reason, sample
 
 __all__ = [
+    "CheckpointInfo",
     "CheckpointMismatch",
     "DecodeCache",
+    "GGUFTokenizerError",
     "GenerationConfig",
+    "InvalidGGUFFile",
     "InvalidModelConfig",
     "InvalidModelInput",
     "LayerPrefill",
     "LoadedModel",
     "MissingCheckpointFile",
+    "MissingGGUFKey",
+    "MissingGGUFTensor",
     "ModelConfig",
     "ModelError",
     "PrefillOptions",
     "PrefillResult",
     "SamplingParams",
     "StepCapture",
+    "TruncatedGGUFFile",
     "UnsupportedArchitecture",
+    "UnsupportedGGUFArchitecture",
+    "UnsupportedTensorType",
     "decode_step",
     "decode_tokens",
     "finish_reason",
     "generate",
     "load",
     "prefill",
+    "read_checkpoint",
     "sample",
 ]

@@ -1,5 +1,7 @@
-"""Load a local HF-format checkpoint directory: config.json, model.safetensors (or shards
-listed in model.safetensors.index.json), tokenizer.json and generation_config.json."""
+"""Load a checkpoint: a local HF-format directory (config.json, model.safetensors or the shards
+listed in model.safetensors.index.json, tokenizer.json, generation_config.json) or a llama.cpp
+`.gguf` file (`services.model.gguf`). `read_checkpoint` reads what either kind says without
+touching the weights (what the gateway and the launcher need)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from services.model.errors import (
     InvalidModelConfig,
     MissingCheckpointFile,
 )
+from services.model.gguf import is_gguf_file, read_gguf
+from services.model.gguf_metadata import MissingGGUFKey
+from services.model.gguf_tensors import check_tensors, gguf_state_dict
 from services.model.model import CausalLM
 from services.model.tokenizer import TOKENIZER_FILE, TextTokenizer
 
@@ -58,10 +63,45 @@ class LoadedModel:
         return self.model.lm_head.weight.dtype
 
     def require_tokenizer(self) -> TextTokenizer:
-        """The tokenizer, or MissingCheckpointFile naming tokenizer.json."""
-        if self.tokenizer is None:
-            raise MissingCheckpointFile(self.path / TOKENIZER_FILE, "needed to encode text")
-        return self.tokenizer
+        """The tokenizer, or a typed error naming tokenizer.json / `tokenizer.ggml.model`."""
+        return require_tokenizer(self.tokenizer, self.path)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint says about itself, read without its weights."""
+
+    config: ModelConfig
+    generation_config: GenerationConfig
+    tokenizer: TextTokenizer | None
+    path: Path
+
+    def require_tokenizer(self) -> TextTokenizer:
+        """The tokenizer, or a typed error naming tokenizer.json / `tokenizer.ggml.model`."""
+        return require_tokenizer(self.tokenizer, self.path)
+
+
+def read_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Config, generation config and tokenizer of an HF directory or a `.gguf` file.
+
+    Raises the same typed errors as `load` for everything but the weights (a GGUF's tensor
+    index is checked too: missing tensors and unsupported types fail here, not in a worker)."""
+    root = Path(path)
+    if is_gguf_file(root):
+        contents = read_gguf(root)
+        check_tensors(contents)
+        return CheckpointInfo(
+            contents.config, contents.generation_config, contents.tokenizer, root
+        )
+    raw_config = _read_json(root / CONFIG_FILE, required=True)
+    return CheckpointInfo(
+        config=parse_model_config(raw_config),
+        generation_config=parse_generation_config(
+            _read_json(root / GENERATION_CONFIG_FILE, required=False), raw_config
+        ),
+        tokenizer=_directory_tokenizer(root),
+        path=root,
+    )
 
 
 def load(
@@ -69,30 +109,40 @@ def load(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
-    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint directory onto `device`.
+    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint directory, or a llama/qwen2 `.gguf` file,
+    onto `device`.
 
     dtype: torch dtype or 'float32'/'bfloat16'/'float16' (aliases fp32/bf16/fp16); None keeps
-    the checkpoint's dtype. Raises MissingCheckpointFile, UnsupportedArchitecture,
-    InvalidModelConfig or CheckpointMismatch, each naming the culprit.
+    the checkpoint's dtype (float32 for a GGUF: quantized weights dequantize to fp32). Raises
+    MissingCheckpointFile, UnsupportedArchitecture, InvalidModelConfig or CheckpointMismatch
+    (GGUF: their subclasses in services.model.gguf*), each naming the culprit.
     """
     root = Path(path)
-    raw_config = _read_json(root / CONFIG_FILE, required=True)
-    config = parse_model_config(raw_config)
-    generation = parse_generation_config(
-        _read_json(root / GENERATION_CONFIG_FILE, required=False), raw_config
-    )
-    torch_dtype = resolve_dtype(dtype, config.checkpoint_dtype)
-    model = build_model(config, _read_weights(root), torch.device(device), torch_dtype)
-    tokenizer_path = root / TOKENIZER_FILE
-    tokenizer = TextTokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
+    if is_gguf_file(root):
+        contents = read_gguf(root)
+        info = CheckpointInfo(contents.config, contents.generation_config, contents.tokenizer, root)
+        tensors = gguf_state_dict(contents)
+    else:
+        info = read_checkpoint(root)
+        tensors = _read_weights(root)
+    torch_dtype = resolve_dtype(dtype, info.config.checkpoint_dtype)
     return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        config=config,
-        generation_config=generation,
-        tensor_contract=make_tensor_contract(config, torch_dtype),
+        model=build_model(info.config, tensors, torch.device(device), torch_dtype),
+        tokenizer=info.tokenizer,
+        config=info.config,
+        generation_config=info.generation_config,
+        tensor_contract=make_tensor_contract(info.config, torch_dtype),
         path=root,
     )
+
+
+def require_tokenizer(tokenizer: TextTokenizer | None, path: Path) -> TextTokenizer:
+    """`tokenizer`, or the typed error saying where the checkpoint at `path` lacks one."""
+    if tokenizer is not None:
+        return tokenizer
+    if is_gguf_file(path):
+        raise MissingGGUFKey("tokenizer.ggml.model", "needed to encode text")
+    raise MissingCheckpointFile(path / TOKENIZER_FILE, "needed to encode text")
 
 
 def build_model(
@@ -123,6 +173,11 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def _directory_tokenizer(root: Path) -> TextTokenizer | None:
+    tokenizer_path = root / TOKENIZER_FILE
+    return TextTokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
 
 
 def _read_weights(root: Path) -> Iterator[tuple[str, torch.Tensor]]:
