@@ -13,14 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.recall import RemoteHandoff
 from services.rpc.kvrelay.v1 import offload_pb2, offload_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteHandoff:
+    """Where a request's omitted rows wait: the prefill worker's OffloadService and handoff."""
+
+    request_id: str
+    request_generation: int
+    handoff_id: str
+    address: str
 
 
 class OffloadChannels:

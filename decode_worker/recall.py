@@ -2,6 +2,9 @@
 successor state is published. The engine (`services.offload.recall.RecallSession`) decides
 when and what to recall; this module plugs it into the worker.
 
+    RecallOpener         a verified recallable transfer's `Recall`: the session (its pages
+                         from the host tier or the prefill worker) and its publisher; the
+                         offload lease of recallable_remote is kept from then on
     LocalPageFetcher     recallable_local: pages from the host tier that came with the view
     RemotePageFetcher    recallable_remote: OffloadService.Recall over gRPC (deadline =
                          recall_timeout_ms), rows over the pair group into this worker's
@@ -26,10 +29,18 @@ from typing import TypeVar
 
 import grpc
 
+from decode_worker.accept import Accepted
+from decode_worker.errors import ViewRejected
+from decode_worker.offload_lease import RemoteHandoff
+from decode_worker.receive import Received
+from decode_worker.verify import Verified, verified_state
+from services.kvpolicy.errors import KVPolicyError
+from services.kvpolicy.manifest import RecoverabilityMode
 from services.kvpolicy.receipt import Receipt
 from services.kvpolicy.state import KVPolicyState
 from services.offload.errors import PageRefInvalid, RecallUnavailable
 from services.offload.pages import OmittedRows, PageRef, RecalledPage
+from services.offload.recall import PageFetcher, RecallSession
 from services.policy import PolicyClient, PolicyUnavailable, StaleGeneration, StatePublication
 from services.policy.types import Phase
 from services.rpc.kvrelay.v1 import offload_pb2_grpc
@@ -67,16 +78,6 @@ class LocalPageFetcher:
             return [self._rows.page(ref, f"pages[{i}]") for i, ref in enumerate(refs)]
         except PageRefInvalid as exc:
             raise RecallUnavailable(f"the host tier holds no such page: {exc}") from None
-
-
-@dataclass(frozen=True)
-class RemoteHandoff:
-    """Where a request's omitted rows wait: the prefill worker's OffloadService and handoff."""
-
-    request_id: str
-    request_generation: int
-    handoff_id: str
-    address: str
 
 
 class RemotePageFetcher:
@@ -208,6 +209,58 @@ class SuccessorPublisher:
         except PolicyUnavailable as exc:
             raise RecallUnavailable(f"policy service: {exc}") from None
         self.published.append(successor)
+
+
+@dataclass(frozen=True)
+class Recall:
+    """A recallable request's recall: the engine's session and the publisher of its successors."""
+
+    session: RecallSession
+    publisher: SuccessorPublisher
+
+
+class RecallOpener:
+    """Opens the `Recall` of verified transfers (event loop: the fetchers and the publisher
+    start their remote calls there)."""
+
+    def __init__(
+        self, policy: PolicyClient, receiver: KVReceiver, *, worker_id: str, policy_timeout_s: float
+    ) -> None:
+        self._policy = policy
+        self._receiver = receiver
+        self._worker_id = worker_id
+        self._policy_timeout_s = policy_timeout_s
+
+    def open(self, accepted: Accepted, received: Received, verified: Verified) -> Recall | None:
+        """The recall of a recallable transfer (None otherwise); ViewRejected if the session
+        cannot be built on what was verified. Starts renewing a recallable_remote lease."""
+        handoff, sidecar = accepted.handoff, received.sidecar
+        if not handoff.offload.recallable or sidecar is None:
+            return None
+        loop = asyncio.get_running_loop()
+        publisher = SuccessorPublisher(
+            self._policy, loop, prefill_worker=handoff.descriptor.source_worker,
+            decode_worker=self._worker_id, timeout_s=self._policy_timeout_s,
+        )
+        state = verified_state(verified.receipt)
+        fetch: PageFetcher
+        if handoff.offload.mode is RecoverabilityMode.RECALLABLE_LOCAL:
+            assert sidecar.host_rows is not None  # checked when the ViewHandoff was built
+            fetch = LocalPageFetcher(sidecar.host_rows)
+        else:
+            lease = accepted.lease
+            assert lease is not None  # every recallable_remote transfer has one
+            fetch = RemotePageFetcher(lease.handoff, lease.stub, self._receiver, loop,
+                                      lambda: session.state.state_generation,
+                                      handoff.descriptor.trace_context)
+        try:
+            session = RecallSession(verified.manifest, sidecar.summaries, fetch, state=state,
+                                    on_successor=publisher)
+        except KVPolicyError as exc:
+            raise ViewRejected(f"no recall session: {exc.reason}", field=exc.field) from None
+        if accepted.lease is not None:
+            accepted.lease.start()
+        return Recall(session, publisher)
 
 
 def run_on_loop(loop: asyncio.AbstractEventLoop, start: Callable[[], Awaitable[T]], deadline: Deadline) -> T:

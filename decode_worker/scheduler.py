@@ -3,7 +3,7 @@
     scheduler = DecodeScheduler(loaded, SchedulerConfig(max_batch=8, kv_budget_bytes=...))
     scheduler.start()
     reservation = scheduler.budget.reserve(reservation_bytes(layout, max_tokens, dtype), key)
-    scheduler.submit(DecodeRequest(..., reservation=reservation, sink=asyncio_sink(loop, queue)))
+    scheduler.submit(DecodeRequest(..., reservation=reservation, sink=loop_sink(loop, deliver)))
     scheduler.cancel(request_id)                              # frees its KV at the next step
 
 Each iteration of the loop: apply cancellations → admit waiting requests while the batch has
@@ -11,7 +11,9 @@ room (`max_batch`) → one `decode_step` over every admitted request (ragged pac
 one `DecodeCache` per owner layout) → sample each row with its own parameters → hand every
 token to its request's sink → release finished requests. The first output token was sampled
 by the prefill worker; the loop feeds it and emits tokens 1, 2, ... . Every step appends one
-row to every owner of a request, so its cache generation advances by one per step.
+row to every owner of a request: its cache generation is the verified one plus one per step,
+and the loop only reads it (`_Running.cache_generation`); a request with a recall session
+reads the session's, which also counts recalls (`RecallSession.end_step` is where it advances).
 
 Requests of recallable manifests carry a `RecallSession` (services/offload/recall.py): their
 batch steps run through `decode_with_recall`, which bounds each due request's omitted mass,
@@ -32,7 +34,7 @@ trace volume grows with steps / N, not with every token of every request in the 
 Memory is governed by the `KVBudget`: a transfer is accepted only if its reservation (the
 view's rows plus the rows its decode can append, `reservation_bytes`) fits, and the bytes
 return when the request finishes, fails or is cancelled. Sinks are called from the loop
-thread; `asyncio_sink` forwards to an event loop with `call_soon_threadsafe`.
+thread; `loop_sink` forwards to an event loop with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -111,12 +113,13 @@ DecodeEvent = TokenOut | DecodeFinished | DecodeFailed
 EventSink = Callable[[DecodeEvent], None]
 
 
-def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[DecodeEvent]) -> EventSink:
-    """A sink that puts events on `queue` from the loop thread, via `call_soon_threadsafe`."""
+def loop_sink(loop: asyncio.AbstractEventLoop, deliver: Callable[[DecodeEvent], None]) -> EventSink:
+    """A sink the loop thread calls; `deliver` runs on the event loop `loop`, via
+    `call_soon_threadsafe` (so in order, and never inside the caller's current callback)."""
 
     def push(event: DecodeEvent) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            loop.call_soon_threadsafe(deliver, event)
 
     return push
 
@@ -203,21 +206,45 @@ class DecodeRequest:
 
 
 @dataclass
+class _RecallTotals:
+    """What one request's recalls brought (for its DecodeFinished), and the fallbacks taken."""
+
+    count: int = 0
+    rows: int = 0
+    nbytes: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+    def add(self, outcome: RecallOutcome) -> None:
+        if outcome.recalled:
+            self.count += 1
+            self.rows += outcome.rows
+            self.nbytes += outcome.nbytes
+        else:
+            self.fallbacks.append(recall_fallback(outcome))
+
+
+@dataclass
 class _Running:
     """Runtime state of one admitted request (touched only by the loop thread)."""
 
     request: DecodeRequest
     last_token: int
     generated: int
-    cache_generation: int
     admitted_at: float
     last_token_at: float
     step_span: trace.Span | None = None
     span_steps: int = 0
-    recall_count: int = 0
-    recalled_rows: int = 0
-    recalled_bytes: int = 0
-    fallbacks: list[str] = field(default_factory=list)
+    recalls: _RecallTotals = field(default_factory=_RecallTotals)
+
+    @property
+    def cache_generation(self) -> int:
+        """Read, never counted here: the recall session's (it owns the generation of a
+        request that can recall), or the verified one plus the rows appended since, one per
+        decoded token (output token 0 came from the prefill worker)."""
+        session = self.request.recall
+        if session is not None:
+            return session.cache_generation
+        return self.request.cache_generation + self.generated - 1
 
 
 class DecodeScheduler:
@@ -334,9 +361,7 @@ class DecodeScheduler:
             self._release(request, DecodeFailed(f"cannot admit the view: {exc}"))
             return
         now = time.monotonic()
-        self._running[request.request_id] = _Running(
-            request, request.first_token, 1, request.cache_generation, now, now
-        )
+        self._running[request.request_id] = _Running(request, request.first_token, 1, now, now)
 
     def _step(self, owner_map: OwnerMap, cache: DecodeCache) -> None:
         batch = [self._running[request_id] for request_id in cache.request_ids]
@@ -383,16 +408,12 @@ class DecodeScheduler:
         kind = recall_kind(outcome)
         metrics.RECALLS.labels(kind).inc()
         metrics.RECALL_SECONDS.observe(outcome.latency_s)
+        running.recalls.add(outcome)
         if outcome.recalled:
-            running.recall_count += 1
-            running.recalled_rows += outcome.rows
-            running.recalled_bytes += outcome.nbytes
             metrics.RECALL_ROWS.inc(outcome.rows)
             metrics.RECALL_BYTES.inc(outcome.nbytes)
         else:
-            fallback = recall_fallback(outcome)
-            running.fallbacks.append(fallback)
-            metrics.RECALL_FALLBACKS.labels(fallback).inc()
+            metrics.RECALL_FALLBACKS.labels(recall_fallback(outcome)).inc()
         successor = outcome.successor
         record_span(
             "kv.recall", running.request.trace_parent, outcome.latency_s,
@@ -431,7 +452,6 @@ class DecodeScheduler:
         running.request.sink(TokenOut(token, running.generated, logprob))
         running.last_token, running.last_token_at = token, now
         running.generated += 1
-        running.cache_generation += 1  # one row appended to every owner
         reason = finish_reason(token, running.generated, request.max_tokens, request.sampling, self._eos)
         if reason is not None:
             self._finish(running, reason)
@@ -443,16 +463,11 @@ class DecodeScheduler:
             metrics.DECODE_TPOT.observe(tpot_ms / 1000.0)
         self._end_step_span(running, finish_reason=reason)
         self._drop(running.request.request_id)
+        recalls = running.recalls
         self._release(running.request, DecodeFinished(
-            reason, running.generated, self._cache_generation(running), tpot_ms, running.recall_count,
-            running.recalled_rows, running.recalled_bytes, tuple(running.fallbacks),
+            reason, running.generated, running.cache_generation, tpot_ms,
+            recalls.count, recalls.rows, recalls.nbytes, tuple(recalls.fallbacks),
         ))
-
-    @staticmethod
-    def _cache_generation(running: _Running) -> int:
-        """The session counts recalls too; without one, one generation per decoded row."""
-        session = running.request.recall
-        return session.cache_generation if session is not None else running.cache_generation
 
     def _cancel_running(self, request_id: str) -> None:
         running = self._running.get(request_id)

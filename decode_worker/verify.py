@@ -1,70 +1,140 @@
-"""Verification before use: a received view is decoded only if it is exactly what the
-descriptor promised, its receipt digest recomputes, and the fence says it is current.
+"""Verify: a received view is decoded only if it is exactly what the handoff promised, its
+receipt digest recomputes, and the fence says it is current.
 
-Pure decisions over values (no I/O): the service fetches the manifest and the fence and
-calls these in order —
+The checks are pure decisions over values (no I/O); `Verifier`, the stage, fetches the
+manifest (the one `ManifestCache`) and the fence and calls them in order —
 
-    check_manifest(manifest, claim, model_contract)   # the manifest fits the loaded model
-    check_view(view, manifest, claim, layout)         # shapes, dtypes, offsets, positions
-    recompute_receipt(manifest, claim, view)          # digest over what actually arrived
-    check_fence(fence, claim)                         # this state is current for its g_r
-    check_offload(manifest, offload, sidecar, view, claim)   # recallable manifests: summaries
+    check_manifest(manifest, handoff, deployment)   # the receipt's manifest, and it fits (kvpolicy.fit)
+    check_view(view, manifest, handoff)             # layout, shapes, dtypes, offsets, frontier
+    check_offload(manifest, handoff, sidecar, view) # recallable manifests: summaries
+    recompute_receipt(manifest, handoff, view)      # digest over the positions that arrived
+    check_fence(fence, handoff)                     # this state is current for its g_r
 
-`verified_state` is the state a verified view realizes, what recall builds successors on.
-Each raises a typed error naming what disagrees (`ViewRejected`, `StaleTransfer`).
+The position sets the receipt binds are read from the received position map, so the digest
+carries the promise that every retained row is the published one. `verified_state` is the
+state a verified view realizes, what recall builds successors on. Each raises a typed error
+naming what disagrees (`ViewRejected`, `StaleTransfer`); a policy service that cannot answer
+raises `TransferFailed`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
 import torch
 
-from decode_worker.errors import StaleTransfer, ViewRejected
-from decode_worker.wire import OffloadClaim, ReceiptClaim
+from decode_worker.accept import Accepted
+from decode_worker.errors import StaleTransfer, TransferFailed, ViewRejected
+from decode_worker.receive import Received
 from services.kvpolicy import snapkv
-from services.kvpolicy.errors import PackingError, ReceiptMismatch
+from services.kvpolicy.errors import KVPolicyError, PackingError, ReceiptMismatch
+from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
     RecoverabilityMode,
     SelectionMethod,
-    TensorContract,
 )
 from services.kvpolicy.packing import PackedKVView, validate_view
-from services.kvpolicy.receipt import Receipt, verify_receipt
+from services.kvpolicy.receipt import Receipt
 from services.kvpolicy.state import KVPolicyState
 from services.kvpolicy.static import static_protected_positions
 from services.offload.errors import OffloadError
 from services.offload.pages import OmittedRows, PageSummaries, validate_against_view
+from services.policy import NotFound, PolicyClient, PolicyError
+from services.policy.manifests import ManifestCache
 from services.policy.types import Fence
-from services.transfer import Sidecar, ViewLayout
+from services.telemetry.spans import span
+from services.transfer import Sidecar, ViewHandoff, ViewLayout
 
-_SHAPE_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A received view that passed every check: its manifest and the recomputed receipt."""
+
+    manifest: KVVisibilityPolicyManifest
+    receipt: Receipt
+
+
+class Verifier:
+    """The verify stage of one worker: the manifests it reads, the fence it asks, the model
+    it runs (`deployment`); the pure checks run on `executor` threads."""
+
+    def __init__(
+        self, policy: PolicyClient, manifests: ManifestCache, deployment: Deployment,
+        executor: Executor, *, policy_timeout_s: float,
+    ) -> None:
+        self._policy = policy
+        self._manifests = manifests
+        self._deployment = deployment
+        self._executor = executor
+        self._policy_timeout_s = policy_timeout_s
+
+    async def verify(self, accepted: Accepted, received: Received) -> Verified:
+        """Manifest → pure checks → fence, in one `kv.verify` span."""
+        handoff, view = accepted.handoff, received.view
+        with span("kv.verify", accepted.trace_parent, **accepted.span_attributes()) as current:
+            manifest = await self._manifest(handoff.manifest_sha256)
+            current.set_attribute("manifest_name", manifest.name)
+
+            def pure_checks() -> Receipt:
+                check_manifest(manifest, handoff, self._deployment)
+                check_view(view, manifest, handoff)
+                check_offload(manifest, handoff, received.sidecar, view)
+                return recompute_receipt(manifest, handoff, view)
+
+            receipt = await asyncio.get_running_loop().run_in_executor(self._executor, pure_checks)
+            check_fence(await self._fence(accepted.request_id), handoff)
+            current.set_attributes({"retained_rows": view.total_rows, "receipt_digest": receipt.digest,
+                                    "recoverability": handoff.offload.mode.value,
+                                    "offload_degraded": handoff.offload.degraded or None})
+            # Inside the span: the log line carries its trace and request ids.
+            log.info("transfer %s verified: %d rows, %d bytes from %s", handoff.key, view.total_rows,
+                     received.bytes_moved, handoff.descriptor.source_worker)
+        return Verified(manifest, receipt)
+
+    async def _manifest(self, sha256: str) -> KVVisibilityPolicyManifest:
+        try:
+            return await self._manifests.get(sha256)
+        except NotFound:
+            raise ViewRejected(f"manifest {sha256} is not registered", field="receipt.manifest_sha256") from None
+        except KVPolicyError as exc:
+            raise ViewRejected(f"stored manifest is invalid: {exc}", field="receipt.manifest_sha256") from None
+        except PolicyError as exc:
+            raise TransferFailed(f"policy service: {exc}", field="receipt.manifest_sha256") from exc
+
+    async def _fence(self, request_id: str) -> Fence | None:
+        try:
+            return await self._policy.get_fence(request_id, timeout_s=self._policy_timeout_s)
+        except NotFound:
+            return None
+        except PolicyError as exc:
+            raise TransferFailed(f"policy service: {exc}", field="fence") from exc
 
 
 def check_manifest(
-    manifest: KVVisibilityPolicyManifest, claim: ReceiptClaim, model_contract: TensorContract
+    manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff, deployment: Deployment
 ) -> None:
-    """The manifest is the one the receipt names and describes the model this worker runs."""
-    if manifest.sha256 != claim.manifest_sha256:
+    """The manifest is the one the receipt names, and it fits the model this worker runs."""
+    if manifest.sha256 != handoff.manifest_sha256:
         raise ViewRejected(
-            f"manifest {manifest.sha256} is not the receipt's {claim.manifest_sha256}",
+            f"manifest {manifest.sha256} is not the receipt's {handoff.manifest_sha256}",
             field="receipt.manifest_sha256",
         )
-    for name in _SHAPE_FIELDS:
-        declared, served = getattr(manifest.tensor, name), getattr(model_contract, name)
-        if declared != served:
-            raise ViewRejected(
-                f"manifest declares {declared}, the loaded model has {served}", field=f"manifest.tensor.{name}"
-            )
-    if manifest.tensor.resolved_q_to_kv_head_map() != model_contract.resolved_q_to_kv_head_map():
-        raise ViewRejected("differs from the loaded model's", field="manifest.tensor.q_to_kv_head_map")
+    try:
+        check_fits(manifest, deployment)
+    except ManifestUnfit as exc:
+        raise ViewRejected(exc.reason, field=f"manifest.{exc.field}") from None
 
 
-def check_view(
-    view: PackedKVView, manifest: KVVisibilityPolicyManifest, claim: ReceiptClaim, layout: ViewLayout
-) -> None:
+def check_view(view: PackedKVView, manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff) -> None:
     """The received view has the descriptor's layout and satisfies the manifest's tensor
     contract: layers, owners, head dim, K/V dtypes, and every position below the frontier."""
-    received = ViewLayout.of(view)
+    received, layout = ViewLayout.of(view), handoff.descriptor.layout
     if received != layout:
         raise ViewRejected(f"received {received}, descriptor says {layout}", field="descriptor.tensors")
     tensor = manifest.tensor
@@ -76,39 +146,23 @@ def check_view(
             head_dim=tensor.head_dim,
             k_dtype=getattr(torch, tensor.k_dtype.value),
             v_dtype=getattr(torch, tensor.v_dtype.value),
-            frontier=claim.end,
+            frontier=handoff.end,
         )
     except PackingError as exc:
         raise ViewRejected(exc.reason, field=exc.field) from None
 
 
 def recompute_receipt(
-    manifest: KVVisibilityPolicyManifest, claim: ReceiptClaim, view: PackedKVView
+    manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff, view: PackedKVView
 ) -> Receipt:
-    """The receipt of what arrived: the claimed generations and frontier, the positions read
-    from the received position map, the manifest's protected positions. Its digest must be
-    the claimed one, so a single moved position or generation is rejected."""
+    """The receipt of what arrived: the handoff's generations, manifest and frontier, the
+    positions read from the received position map, the manifest's protected positions. Its
+    digest must be the claimed one, so a single moved position or generation is rejected."""
+    protected = protected_positions_for(manifest, handoff.frontier, handoff.position_origin)
     try:
-        receipt = Receipt(
-            request_id=claim.request_id,
-            manifest_sha256=claim.manifest_sha256,
-            request_generation=claim.request_generation,
-            state_generation=claim.state_generation,
-            parent_state_generation=claim.parent_state_generation,
-            cache_generation=claim.cache_generation,
-            frontier=claim.frontier,
-            position_origin=claim.position_origin,
-            selected_positions=tuple(tuple(map(tuple, owners)) for owners in view.selected_positions()),
-            protected_positions=protected_positions_for(manifest, claim.frontier, claim.position_origin),
-            digest=claim.digest,
-        )
-        verify_receipt(receipt, manifest_sha256=manifest.sha256, view=view)
+        return handoff.receipt(view.selected_positions(), protected)
     except ReceiptMismatch as exc:
-        field = "receipt.digest" if exc.field == "digest" else exc.field
-        raise ViewRejected(exc.reason, field=field) from None
-    except PackingError as exc:
-        raise ViewRejected(exc.reason, field=exc.field) from None
-    return receipt
+        raise ViewRejected(exc.reason, field=f"receipt.{exc.field}") from None
 
 
 def protected_positions_for(
@@ -121,38 +175,36 @@ def protected_positions_for(
     return static_protected_positions(manifest.selection, frontier, origin)
 
 
-def check_fence(fence: Fence | None, claim: ReceiptClaim) -> None:
+def check_fence(fence: Fence | None, handoff: ViewHandoff) -> None:
     """The policy service's fence admits exactly this state: same request generation, state
     generation, cache generation, digest and manifest, and the request has not ended.
     `fence` None means the policy service does not know the request (expired or never begun)."""
+    descriptor = handoff.descriptor
     if fence is None:
-        raise StaleTransfer(f"request {claim.request_id!r} is unknown to the policy service", field="request_id")
+        unknown = f"request {descriptor.request_id!r} is unknown to the policy service"
+        raise StaleTransfer(unknown, field="request_id")
     expected = (
-        ("request_generation", fence.request_generation, claim.request_generation),
-        ("state_generation", fence.state_generation, claim.state_generation),
-        ("cache_generation", fence.cache_generation, claim.cache_generation),
-        ("receipt.digest", fence.receipt_digest, claim.digest),
-        ("receipt.manifest_sha256", fence.manifest_sha256, claim.manifest_sha256),
+        ("request_generation", fence.request_generation, descriptor.request_generation),
+        ("state_generation", fence.state_generation, descriptor.state_generation),
+        ("cache_generation", fence.cache_generation, descriptor.cache_generation),
+        ("receipt.digest", fence.receipt_digest, descriptor.receipt_digest),
+        ("receipt.manifest_sha256", fence.manifest_sha256, handoff.manifest_sha256),
     )
     for field, current, received in expected:
         if current != received:
             raise StaleTransfer(f"fence has {current}, the transfer carries {received}", field=field, current=fence)
     if fence.ended:
-        raise StaleTransfer(f"request {claim.request_id!r} has ended", field="phase", current=fence)
+        raise StaleTransfer(f"request {descriptor.request_id!r} has ended", field="phase", current=fence)
 
 
 def check_offload(
-    manifest: KVVisibilityPolicyManifest,
-    offload: OffloadClaim,
-    sidecar: Sidecar | None,
-    view: PackedKVView,
-    claim: ReceiptClaim,
+    manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff, sidecar: Sidecar | None, view: PackedKVView
 ) -> None:
     """The descriptor's recoverability is the manifest's (or irrecoverable, degraded from
     recallable_remote with a reason); the page summaries use the manifest's page size and,
     with the retained rows, cover every position below the frontier exactly once; host-tier
     rows are exactly the paged positions, and their keys span exactly each page's min/max."""
-    contract = manifest.recoverability
+    contract, offload = manifest.recoverability, handoff.offload
     degraded = (
         offload.mode is RecoverabilityMode.OMITTED_IRRECOVERABLE
         and contract.mode is RecoverabilityMode.RECALLABLE_REMOTE
@@ -171,26 +223,26 @@ def check_offload(
             f"{summaries.page_size}, the manifest says {contract.page_size}", field="descriptor.page_size"
         )
     try:
-        validate_against_view(summaries, view.selected_positions(), claim.end)
+        validate_against_view(summaries, view.selected_positions(), handoff.end)
     except OffloadError as exc:
         raise ViewRejected(exc.reason, field=f"sidecar.{exc.field}") from None
     if sidecar.host_rows is not None:
         _check_host_rows(summaries, sidecar.host_rows)
 
 
-def verified_state(claim: ReceiptClaim, receipt: Receipt) -> KVPolicyState:
+def verified_state(receipt: Receipt) -> KVPolicyState:
     """The state a verified view realizes (what recall builds its successors on)."""
     return KVPolicyState(
-        request_id=claim.request_id,
-        manifest_sha256=claim.manifest_sha256,
-        request_generation=claim.request_generation,
-        state_generation=claim.state_generation,
-        parent_state_generation=claim.parent_state_generation,
-        cache_generation=claim.cache_generation,
-        frontier=claim.frontier,
+        request_id=receipt.request_id,
+        manifest_sha256=receipt.manifest_sha256,
+        request_generation=receipt.request_generation,
+        state_generation=receipt.state_generation,
+        parent_state_generation=receipt.parent_state_generation,
+        cache_generation=receipt.cache_generation,
+        frontier=receipt.frontier,
         selected_positions=receipt.selected_positions,
         protected_positions=receipt.protected_positions,
-        position_origin=claim.position_origin,
+        position_origin=receipt.position_origin,
     )
 
 

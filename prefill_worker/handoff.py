@@ -7,7 +7,9 @@
     every layer queued → transfer.wait_for_send(deadline)   # rows over torch.distributed
       (+ the sidecar: page summaries, and host-tier rows for recallable_local)
 
-The descriptor also tells the decode worker what became of the omitted rows
+The descriptor is a `ViewHandoff` (services/transfer/descriptor.py), written to the wire by
+`services.transfer.codec` alone: the transfer layer's descriptor, what else the receipt binds,
+output token 0 with its sampling, the ledger, and what became of the omitted rows
 (`recoverability`, the offload handoff id and address, the lease, or why the store refused).
 Any failure — decode worker unreachable, descriptor refused, rendezvous or send timeout,
 peer lost, the call cancelled — tears the pair group down (the transfer layer does that),
@@ -28,7 +30,7 @@ import torch
 
 from prefill_worker.errors import DecodeWorkerUnavailable
 from prefill_worker.offload import OffloadTier
-from prefill_worker.wire import PrefillCall, ledger_to_proto, receipt_to_proto, sampling_to_proto
+from prefill_worker.wire import PrefillCall
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from services.telemetry import metrics
@@ -37,6 +39,7 @@ from services.transfer import (
     Deadline,
     DescriptorInvalid,
     KVSender,
+    OffloadRef,
     PairLease,
     PairRoute,
     SendTransfer,
@@ -44,10 +47,11 @@ from services.transfer import (
     TransferDescriptor,
     TransferError,
     TransferKey,
+    ViewHandoff,
     ViewLayout,
     layer_of,
-    to_proto,
 )
+from services.transfer.codec import handoff_to_proto
 from services.transfer.pairgroup import backend_for
 
 if TYPE_CHECKING:
@@ -67,7 +71,8 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Handoff:
-    """A finished send: the descriptor the decode worker accepted and the bytes that moved."""
+    """A finished send: the descriptor the decode worker accepted (as sent) and the bytes that
+    moved."""
 
     descriptor: decode_pb2.TransferDescriptor
     bytes_moved: int
@@ -130,11 +135,15 @@ class DecodeHandoff:
             self.offload.bind_decode(packed.offload.handoff_id, endpoint.rendezvous_address)
         key = TransferKey(call.request_id, call.request_generation, packed.state.state_generation, uuid.uuid4().hex)
         lease = await self._reserve(key, endpoint, deadline)
-        descriptor = self._descriptor(key, packed, lease)
-        transfer = self.sender.start_send(descriptor, lease, deadline)
+        try:
+            handoff = self._handoff(call, first_token, packed, self._descriptor(key, packed, lease), deadline)
+        except DescriptorInvalid as exc:
+            self.sender.cancel(lease, f"no descriptor: {exc}")
+            raise
+        transfer = self.sender.start_send(handoff.descriptor, lease, deadline)
         try:
             with metrics.timed(metrics.TRANSFER_SECONDS.labels("send")):
-                message = _message(descriptor, call, first_token, packed, deadline, self.offload.address)
+                message = handoff_to_proto(handoff)
                 reply = await self._accept(call, message, deadline)
                 moved = await asyncio.to_thread(send_layers, transfer, packed, deadline)
         except BaseException as exc:
@@ -198,6 +207,37 @@ class DecodeHandoff:
             sidecar=SidecarLayout.of(sidecar, packed.view.packed_v.dtype) if sidecar is not None else None,
         )
 
+    def _handoff(
+        self,
+        call: PrefillCall,
+        first_token: int,
+        packed: Packed,
+        descriptor: TransferDescriptor,
+        deadline: Deadline,
+    ) -> ViewHandoff:
+        """The view offered to the decode worker, bound to `packed.receipt`."""
+        receipt, offload = packed.receipt, packed.offload
+        return ViewHandoff(
+            descriptor=descriptor,
+            manifest_sha256=receipt.manifest_sha256,
+            parent_state_generation=receipt.parent_state_generation,
+            frontier=receipt.frontier,
+            position_origin=receipt.position_origin,
+            first_token_id=first_token,
+            sampling=call.sampling,
+            max_tokens=call.max_tokens,
+            prompt_tokens=call.prompt_tokens,
+            ledger=packed.ledger,
+            deadline_unix_ms=int((time.time() + deadline.remaining()) * 1000),
+            offload=OffloadRef(
+                mode=offload.mode,
+                handoff_id=offload.handoff_id,
+                address=self.offload.address if offload.handoff_id else "",
+                lease_ms=offload.lease_ms if offload.handoff_id else 0,
+                degraded=offload.degraded,
+            ),
+        )
+
     async def _accept(
         self, call: PrefillCall, message: decode_pb2.TransferDescriptor, deadline: Deadline
     ) -> decode_pb2.AcceptTransferResponse:
@@ -229,29 +269,6 @@ def send_layers(transfer: SendTransfer, packed: Packed, deadline: Deadline) -> i
     if packed.offload.sidecar is not None:
         transfer.send_sidecar(packed.offload.sidecar)
     return transfer.wait_for_send(deadline)
-
-
-def _message(
-    descriptor: TransferDescriptor, call: PrefillCall, first_token: int, packed: Packed, deadline: Deadline,
-    offload_address: str,
-) -> decode_pb2.TransferDescriptor:
-    """The wire descriptor: the transfer layer's part plus what the decode worker needs to
-    verify, decode, recall and account for the request."""
-    message = to_proto(descriptor)
-    message.receipt.CopyFrom(receipt_to_proto(packed.receipt, packed.ledger))
-    message.first_token_id = first_token
-    message.sampling.CopyFrom(sampling_to_proto(call.sampling, call.max_tokens))
-    message.ledger.CopyFrom(ledger_to_proto(packed.ledger, bytes_moved=packed.ledger.traffic_bytes))
-    message.prompt_tokens = call.prompt_tokens
-    message.deadline_unix_ms = int((time.time() + deadline.remaining()) * 1000)
-    offload = packed.offload
-    message.recoverability = offload.mode.value
-    message.offload_degraded = offload.degraded
-    if offload.handoff_id:
-        message.offload_handoff_id = offload.handoff_id
-        message.offload_address = offload_address
-        message.offload_lease_ms = offload.lease_ms
-    return message
 
 
 def _describe(exc: BaseException) -> str:

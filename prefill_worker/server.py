@@ -19,7 +19,7 @@ import torch
 from prefill_worker.admission import Admission
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.handoff import DecodeHandoff
-from prefill_worker.manifests import ManifestCache
+from prefill_worker.manifests import ServableManifests
 from prefill_worker.offload import OffloadTier
 from prefill_worker.offload_service import SERVICE_NAME as OFFLOAD_SERVICE_NAME
 from prefill_worker.offload_service import OffloadServicer, sweep_forever
@@ -27,8 +27,10 @@ from prefill_worker.pipeline import PrefillPipeline
 from prefill_worker.service import SERVICE_NAME, PrefillServicer
 from prefill_worker.wire import RequestLimits
 from services.evaluation.profile import load_profile
+from services.kvpolicy.fit import Deployment
 from services.model import LoadedModel, load
 from services.policy import PolicyClient, PolicyClientConfig
+from services.policy.manifests import ManifestCache
 from services.rpc.kvrelay.v1 import offload_pb2_grpc, prefill_pb2_grpc
 from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServerConfig, ServiceBinding, start_server
@@ -103,11 +105,13 @@ class PrefillServer:
             offload=tier,
         )
         admission = Admission(config.max_in_flight, config.max_queued)
+        context = model.config.max_position_embeddings
         servicer = PrefillServicer(
             pipeline,
-            ManifestCache(policy, model.tensor_contract, config.manifest_cache_size, offload_store=tier.serves_remote),
+            ServableManifests(ManifestCache(policy, capacity=config.manifest_cache_size),
+                              Deployment(model.tensor_contract, offload_store=tier.serves_remote)),
             admission,
-            RequestLimits(model.config.vocab_size, config.max_prompt_tokens or model.config.max_position_embeddings),
+            RequestLimits(model.config.vocab_size, config.max_prompt_tokens or context, context),
             config.worker_id,
         )
         offload = OffloadServicer(tier, policy, handoff.sender, model.device, policy_timeout_s=config.policy_timeout_s,

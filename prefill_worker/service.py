@@ -8,14 +8,9 @@ import logging
 import grpc
 
 from prefill_worker.admission import Admission
-from prefill_worker.manifests import ManifestCache
+from prefill_worker.manifests import ServableManifests
 from prefill_worker.pipeline import PrefillJob, PrefillOutcome, PrefillPipeline
-from prefill_worker.wire import (
-    RequestLimits,
-    ledger_to_proto,
-    parse_prefill_request,
-    receipt_to_proto,
-)
+from prefill_worker.wire import RequestLimits, parse_prefill_request
 from services.rpc.errors import maps_errors
 from services.rpc.kvrelay.v1 import prefill_pb2, prefill_pb2_grpc
 from services.telemetry.spans import annotate, extract_context, span
@@ -31,7 +26,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(
         self,
         pipeline: PrefillPipeline,
-        manifests: ManifestCache,
+        manifests: ServableManifests,
         admission: Admission,
         limits: RequestLimits,
         worker_id: str,
@@ -62,15 +57,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return self._response(outcome)
 
     def _response(self, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:
-        packed, handoff = outcome.packed, outcome.handoff
-        return prefill_pb2.PrefillResponse(
-            receipt=receipt_to_proto(packed.receipt, packed.ledger),
-            first_token_id=outcome.first_token,
-            transfer=handoff.descriptor,
-            ledger=ledger_to_proto(packed.ledger, bytes_moved=handoff.bytes_moved),
-            prefill_ms=outcome.prefill_ms,
-            prefill_worker=self._worker_id,
+        """The receipt and ledger as the accepted descriptor carries them (converted once, by the
+        handoff), the ledger with the bytes that moved."""
+        sent = outcome.handoff.descriptor
+        response = prefill_pb2.PrefillResponse(
+            receipt=sent.receipt, transfer=sent, ledger=sent.ledger,
+            prefill_ms=outcome.prefill_ms, prefill_worker=self._worker_id,
         )
+        response.ledger.bytes_moved = outcome.handoff.bytes_moved
+        return response
 
 
 def _call_deadline(context: grpc.aio.ServicerContext) -> Deadline | None:

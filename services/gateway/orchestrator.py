@@ -11,6 +11,10 @@ BeginRequest again fences the failed attempt out. After the first token the stre
 with UNAVAILABLE; the tokens already sent stay valid. A client cancel cancels both workers'
 calls and ends the request in the policy service, so a decode worker that has not yet
 verified the transfer rejects it and frees its reservation.
+
+EndRequest is the gateway's alone (DESIGN §2 step 13): every request that began ends here,
+finished, failed or cancelled, with the last request generation it began; workers only
+publish states (the decode worker, recall successors).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import grpc
 from services.gateway.detokenize import IncrementalDetokenizer
 from services.gateway.discovery import Endpoint, WorkerPool
 from services.gateway.errors import WorkerFailed, relay
-from services.gateway.policies import ManifestResolver, ResolvedManifest
+from services.gateway.policies import ManifestResolver
 from services.gateway.summary import Route, TokenClock, build_summary
 from services.gateway.validation import GenerationInput
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import PolicyClient, PolicyError
 from services.rpc.errors import ServiceError, Unavailable, error_detail
 from services.rpc.kvrelay.v1 import (
@@ -41,6 +46,7 @@ from services.rpc.kvrelay.v1 import (
     prefill_pb2_grpc,
 )
 from services.telemetry import metrics
+from services.transfer.codec import sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +127,7 @@ class Orchestrator:
     async def _attempt(
         self,
         request: GenerationInput,
-        manifest: ResolvedManifest,
+        manifest: KVVisibilityPolicyManifest,
         generation: int,
         clock: TokenClock,
         avoid_prefill: frozenset[str],
@@ -136,7 +142,7 @@ class Orchestrator:
     async def _prefill(
         self,
         request: GenerationInput,
-        manifest: ResolvedManifest,
+        manifest: KVVisibilityPolicyManifest,
         generation: int,
         prefill: Endpoint,
         decode: Endpoint,
@@ -145,7 +151,7 @@ class Orchestrator:
             request_id=request.request_id,
             request_generation=generation,
             prompt_token_ids=request.prompt_ids,
-            sampling=request.sampling.to_proto(),
+            sampling=sampling_to_proto(request.sampling, request.max_tokens),
             manifest_sha256=manifest.sha256,
             decode_worker_address=decode.address,
             decode_worker_id=decode.address,
@@ -220,7 +226,7 @@ class Orchestrator:
         raise error
 
     def _end_later(self, request_id: str, generation: int) -> None:
-        """EndRequest in the background: idempotent after the decode worker ended it, and it
+        """EndRequest in the background (the one call of it): it marks the request done and
         fences out whatever a failed or cancelled attempt left behind."""
         task = asyncio.create_task(self._end(request_id, generation))
         self._background.add(task)

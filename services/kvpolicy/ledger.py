@@ -2,7 +2,8 @@
 
 Bytes per row are `d_h (b_K + b_V)`. Rows are charged per owner: per K/V head by default,
 per query head when the GQA reduction is `expand` (`owners_are_query_heads`). The
-transfer of a view moves exactly `traffic_bytes`.
+transfer of a view moves exactly `traffic_bytes`. Every byte figure is a property of the
+counted rows, here and nowhere else (the wire carries the counts; `services.transfer.codec`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ _OFFSET_BYTES = OFFSET_DTYPE.itemsize
 class Ledger:
     """Row and byte accounting of one request's retained KV view.
 
-    full_rows: L * owners * prompt rows (what a full cache at owner width would hold).
     visible_rows: retained rows, one per (layer, owner, position) — the packed R_total.
     unique_kv_rows: distinct (layer, K/V head, position) rows among them; smaller than
         visible_rows only when query-head owners of one K/V head retain the same position.
@@ -38,12 +38,16 @@ class Ledger:
     num_owners: int
     owners_are_query_heads: bool
     prompt_rows: int
-    full_rows: int
     visible_rows: int
     unique_kv_rows: int
     query_expanded_rows: int
     page_summary_bytes: int = 0
     host_tier_bytes: int = 0
+
+    @property
+    def full_rows(self) -> int:
+        """L * owners * prompt rows: what a full cache at owner width would hold."""
+        return self.num_layers * self.num_owners * self.prompt_rows
 
     @property
     def full_payload_bytes(self) -> int:
@@ -60,6 +64,16 @@ class Ledger:
     @property
     def omitted_payload_bytes(self) -> int:
         return self.omitted_rows * self.bytes_per_row
+
+    @property
+    def unique_demand_bytes(self) -> int:
+        """Bytes of the distinct K/V rows among the retained ones."""
+        return self.unique_kv_rows * self.bytes_per_row
+
+    @property
+    def query_expanded_demand_bytes(self) -> int:
+        """Bytes the query heads read when each K/V row is expanded per reader."""
+        return self.query_expanded_rows * self.bytes_per_row
 
     @property
     def position_map_bytes(self) -> int:
@@ -116,7 +130,6 @@ def build_ledger(
         num_owners=num_owners,
         owners_are_query_heads=query_owners,
         prompt_rows=prompt_len,
-        full_rows=tensor.num_layers * num_owners * prompt_len,
         visible_rows=visible,
         unique_kv_rows=unique,
         query_expanded_rows=expanded,

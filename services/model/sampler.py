@@ -1,10 +1,16 @@
 """Token sampling (greedy, temperature, top-k, top-p) and stop decisions. Pure functions over
 logits. The randomness of output token i of a seeded request comes from a generator seeded with
 (seed, i) alone, so the same tokens come out whichever worker samples them (the first token is
-sampled by the prefill worker, the rest by the decode worker) and whatever shares the batch."""
+sampled by the prefill worker, the rest by the decode worker) and whatever shares the batch.
+
+`SamplingParams` is the one sampling type of a request, from the gateway to the decode worker;
+`check_sampling` is its one rule set: every hop (gateway, prefill, decode) calls it with its own
+`SamplingLimits`, and every `SamplingParams` runs its value rules when it is built. The proto's
+conventions (top_p 0 and seed 0 mean unset) are mapped in `services.transfer.codec`, once."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,11 +21,13 @@ from services.model.errors import InvalidModelInput
 FINISH_EOS = "eos"
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters; seed None =
+    unseeded. Construction checks the value rules of `check_sampling` (InvalidModelInput)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -29,18 +37,53 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidModelInput("sampling.temperature", "must be >= 0")
-        if self.top_k < 0:
-            raise InvalidModelInput("sampling.top_k", "must be >= 0 (0 disables)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidModelInput("sampling.top_p", "must be in (0, 1]")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidModelInput("sampling.stop_token_ids", "token ids are non-negative")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check_sampling(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What one hop admits: stop ids below `vocab_size` and at most `max_stop_token_ids` of
+    them, 1 to `max_tokens` output tokens (the first one included)."""
+
+    vocab_size: int
+    max_tokens: int
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+
+
+def check_sampling(
+    params: SamplingParams, max_tokens: int | None = None, limits: SamplingLimits | None = None
+) -> None:
+    """The rule set of a request's sampling; InvalidModelInput names the field (`sampling.top_p`,
+    `sampling.stop_token_ids[3]`, ...). Without `limits`, the value rules only: temperature
+    finite and >= 0, top_k >= 0, top_p in (0, 1], stop ids >= 0. With them, also the hop's
+    bounds: `max_tokens` in [1, limits.max_tokens], the count of stop ids and their range."""
+    if not (math.isfinite(params.temperature) and params.temperature >= 0.0):
+        reason = f"{params.temperature} must be finite and >= 0 (0 = greedy)"
+        raise InvalidModelInput("sampling.temperature", reason)
+    if params.top_k < 0:
+        raise InvalidModelInput("sampling.top_k", f"{params.top_k} must be >= 0 (0 disables top-k)")
+    if not 0.0 < params.top_p <= 1.0:
+        raise InvalidModelInput("sampling.top_p", f"{params.top_p} is not in (0, 1] (1 disables top-p)")
+    vocab_size = limits.vocab_size if limits is not None else None
+    for index, token in enumerate(params.stop_token_ids):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            bound = vocab_size if vocab_size is not None else "vocab_size"
+            reason = f"{token} is not a token id in [0, {bound})"
+            raise InvalidModelInput(f"sampling.stop_token_ids[{index}]", reason)
+    if limits is None:
+        return
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidModelInput(
+            "sampling.stop_token_ids",
+            f"{len(params.stop_token_ids)} ids exceeds the limit of {limits.max_stop_token_ids}",
+        )
+    if max_tokens is None or not 1 <= max_tokens <= limits.max_tokens:
+        raise InvalidModelInput("sampling.max_tokens", f"{max_tokens} is not in [1, {limits.max_tokens}]")
 
 
 def step_generator(

@@ -11,36 +11,40 @@ every request of a `DecodeCache`, recalling for those that have a session:
     step.logits                  # [B, V] fp32, cache.request_ids order
     step.outcomes[request_id]    # RecallOutcome of that request's step
 
-A step, in order:
+A step, in order (each numbered step is one public call, so a decode loop other than
+`decode_with_recall` can drive a session the same way):
 
-1. Capture. If some session is due (its cadence, `recall_cadence_steps`, and pages still
+1. Capture. If some session is `due()` (its cadence, `recall_cadence_steps`, and pages still
    omitted), the step runs with a `StepCapture`: every layer records the post-RoPE query
    `[B, H_q, d_h]` and the log-sum-exp r `[B, H_q]` of the rows each query saw (retained,
    decoded, already recalled, and the step's own row). Otherwise it is a plain
-   `decode_step`: recall costs nothing on steps it does not evaluate.
-2. Bound and choose (pure): `bound_omitted_mass` over the pages still omitted, then
-   `choose_pages` (threshold, at most `max_pages_per_step`, or every page when the
-   full-recall gate fires).
-3. Fetch with the deadline `recall_timeout_ms`. A `RecallUnavailable` from the fetcher, an
-   answer after the deadline, a missing page or rows that do not match their summary make
-   the rows unavailable; the manifest's `timeout_fallback` decides: `continue_lossy` keeps
-   the step's lossy logits and records it in the outcome (the pages stay omitted and may be
-   recalled at a later step); `fail_request` marks the outcome FAILED (the single-request
-   `RecallSession.decode_step` raises `RecallFailed`). A failure never touches the cache.
-4. Successor: `recall_successor` builds state s + 1 (the parent plus the recalled positions
-   and the positions decoded since) and hands it to `on_successor`, where the decode worker
-   publishes it through the policy service's fence. A `RecallUnavailable` raised there takes
-   the fallback of step 3; any other exception fails the request. Only then does the
-   session adopt the state and mark the pages recalled.
+   `decode_step`: recall costs nothing on steps it does not evaluate (`skipped()`).
+2. `plan(query, lse, cache) -> RecallPlan` (pure): `bound_omitted_mass` over the pages still
+   omitted, then `choose_pages` (threshold, at most `max_pages_per_step`, or every page when
+   the full-recall gate fires).
+3. `recall(plan, cache) -> RecallResult`: fetch with the deadline `recall_timeout_ms`. A
+   `RecallUnavailable` from the fetcher, an answer after the deadline, a missing page or rows
+   that do not match their summary make the rows unavailable; the manifest's
+   `timeout_fallback` decides: `continue_lossy` keeps the step's lossy logits and records it
+   in the outcome (the pages stay omitted and may be recalled at a later step);
+   `fail_request` marks the outcome FAILED (the single-request `RecallSession.decode_step`
+   raises `RecallFailed`). A failure never touches the cache.
+4. Successor, inside `recall`: `recall_successor` builds state s + 1 (the parent plus the
+   recalled positions and the positions decoded since) and hands it to `on_successor`, where
+   the decode worker publishes it through the policy service's fence. A `RecallUnavailable`
+   raised there takes the fallback of step 3; any other exception fails the request. Only
+   then does the session adopt the state and mark the pages recalled.
 5. Recompute: the cache takes the whole batch step back (`DecodeCache.undo_step`), the
    recalled rows are appended to their owners at their original positions (row order does
    not matter to attention: keys carry RoPE at their position) and the step runs again.
    Requests that recalled nothing get the same logits as in the first run.
+6. `end_step(outcome)` counts the step, for every session of the batch.
 
-Cache generations: a session counts one per decoded step and one per recall, starting at
-the state's; a recall's successor carries the generation after the recomputed step, and its
-frontier includes the step's own token. Fetches of several requests in one step run one
-after the other, each with its own deadline.
+Cache generations: the session owns its request's, starting at the state's; `end_step` is the
+one place it advances (one for the step's row, one more when the step recalled,
+`cache_generation_after`). A recall's successor carries the generation after the recomputed
+step, and its frontier includes the step's own token. Fetches of several requests in one
+step run one after the other, each with its own deadline.
 """
 
 from __future__ import annotations
@@ -137,14 +141,34 @@ class RecallStep:
     recomputed: bool  # the step ran a second time with recalled rows
 
 
-class _SuccessorRejected(Exception):
-    """`on_successor` raised something other than RecallUnavailable."""
+@dataclass(frozen=True)
+class RecallPlan:
+    """What the bound decided at one evaluated step: `outcome` is BELOW_THRESHOLD with the
+    mass bound and the pages to fetch (`pages`; none when no owner passed the threshold)."""
+
+    outcome: RecallOutcome
+
+    @property
+    def pages(self) -> tuple[PageRef, ...]:
+        return self.outcome.pages
 
 
 @dataclass(frozen=True)
-class _Evaluation:
+class RecallResult:
+    """The outcome of a planned recall, and the rows to merge (only when RECALLED)."""
+
     outcome: RecallOutcome
     pages: tuple[RecalledPage, ...] = ()
+
+
+def cache_generation_after(cache_generation: int, *, recalled: bool) -> int:
+    """The cache generation once a step is in: one for the row it appended to every owner,
+    one more for the rows a recall merged."""
+    return cache_generation + 1 + int(recalled)
+
+
+class _SuccessorRejected(Exception):
+    """`on_successor` raised something other than RecallUnavailable."""
 
 
 class RecallSession:
@@ -154,6 +178,9 @@ class RecallSession:
     session never evaluates (every outcome is DISABLED). `state` is the state the decode
     worker verified (its request id names the session); `on_successor` receives every
     successor state before the session adopts it.
+
+    One step, in public calls: `due()`; if due, `plan(...)` then `recall(plan, cache)`, else
+    `skipped()`; then `end_step(outcome)`. `decode_with_recall` drives them for a batch.
     """
 
     def __init__(
@@ -208,8 +235,8 @@ class RecallSession:
             raise RecallFailed(self.request_id, outcome.reason or "", timed_out=outcome.timed_out)
         return step
 
-    def _skipped(self) -> RecallOutcome:
-        """The outcome of a step this session does not evaluate."""
+    def skipped(self) -> RecallOutcome:
+        """The outcome of a step this session does not evaluate (not due, or disabled)."""
         status = RecallStatus.NOT_DUE if self.enabled else RecallStatus.DISABLED
         return RecallOutcome(self.request_id, self.steps, status)
 
@@ -223,10 +250,11 @@ class RecallSession:
         )
         return choose_pages(bound, self.policy)
 
-    def _evaluate(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache) -> _Evaluation:
-        """Bound, choose, fetch and publish for the step just run (steps 2 to 4)."""
+    def plan(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache) -> RecallPlan:
+        """Step 2: bound and choose for the step just run, from its captured queries
+        `[L, H_q, d_h]` and r `[L, H_q]` (this request's slot)."""
         choice = self.choose(query, lse, cache.head_to_owner, cache.scale)
-        base = RecallOutcome(
+        outcome = RecallOutcome(
             self.request_id,
             self.steps,
             RecallStatus.BELOW_THRESHOLD,
@@ -234,20 +262,26 @@ class RecallSession:
             full_recall=choice.full_recall,
         )
         if choice.pages.numel() == 0:
-            return _Evaluation(base)
+            return RecallPlan(outcome)
         assert self.summaries is not None
-        refs = choice.page_refs(self.summaries)
-        base = replace(base, pages=refs)
+        return RecallPlan(replace(outcome, pages=choice.page_refs(self.summaries)))
+
+    def recall(self, plan: RecallPlan, cache: DecodeCache) -> RecallResult:
+        """Steps 3 and 4: fetch the planned pages, publish the successor through
+        `on_successor`, adopt it. Nothing to fetch: the plan's outcome, unchanged."""
+        base = plan.outcome
+        if not plan.pages:
+            return RecallResult(base)
         started = self._clock()
         try:
-            pages = self._fetch_pages(refs)
+            pages = self._fetch_pages(plan.pages)
             latency = self._clock() - started
             _check_deadline(latency, self.timeout_s)
             successor = self._successor(pages, self._frontier_after_step(cache))
         except RecallUnavailable as exc:
-            return _Evaluation(self._unavailable(base, exc, self._clock() - started))
+            return RecallResult(self._unavailable(base, exc, self._clock() - started))
         except _SuccessorRejected as exc:
-            return _Evaluation(replace(base, status=RecallStatus.FAILED, reason=str(exc)))
+            return RecallResult(replace(base, status=RecallStatus.FAILED, reason=str(exc)))
         rows, nbytes = self._adopt(successor, pages)
         outcome = replace(
             base,
@@ -257,12 +291,14 @@ class RecallSession:
             latency_s=latency,
             successor=successor,
         )
-        return _Evaluation(outcome, pages)
+        return RecallResult(outcome, pages)
 
-    def _advance(self) -> None:
-        """Count the step (its cache row); `_evaluate` already counted a recall."""
+    def end_step(self, outcome: RecallOutcome) -> None:
+        """Step 6: count the step this session's `outcome` describes. The one place the
+        request's cache generation advances (its row, and the recall if it merged rows)."""
         self.steps += 1
-        self.cache_generation += 1
+        recalled = outcome.recalled
+        self.cache_generation = cache_generation_after(self.cache_generation, recalled=recalled)
 
     def _fetch_pages(self, refs: tuple[PageRef, ...]) -> tuple[RecalledPage, ...]:
         assert self._fetch is not None and self.summaries is not None
@@ -280,9 +316,8 @@ class RecallSession:
         grid = recalled_position_grid(
             pages, state.num_layers, state.num_owners, origin=state.position_origin
         )
-        successor = recall_successor(
-            state, grid, cache_generation=self.cache_generation + 2, frontier=frontier
-        )
+        after = cache_generation_after(self.cache_generation, recalled=True)
+        successor = recall_successor(state, grid, cache_generation=after, frontier=frontier)
         if self._on_successor is not None:
             try:
                 self._on_successor(successor)
@@ -298,7 +333,6 @@ class RecallSession:
         """Take the successor and mark the pages recalled; returns their rows and bytes."""
         assert self.summaries is not None
         self.state = successor
-        self.cache_generation += 1  # the recall itself; `_advance` adds the step's row
         for page in pages:
             self._live[self.summaries.global_index(page.ref)] = False
         rows = sum(int(page.positions.shape[0]) for page in pages)
@@ -335,22 +369,23 @@ def decode_with_recall(
     due = {request_id: s for request_id, s in sessions.items() if s.due()}
     capture = StepCapture() if due else None
     logits = decode_step(model, cache, tokens, capture)
-    outcomes = {rid: s._skipped() for rid, s in sessions.items() if rid not in due}
+    outcomes = {rid: s.skipped() for rid, s in sessions.items() if rid not in due}
     recalls: dict[str, tuple[RecalledPage, ...]] = {}
     for request_id, session in due.items():
         assert capture is not None
         slot = slots[request_id]
-        evaluation = session._evaluate(capture.query(slot), capture.log_sum_exp(slot), cache)
-        outcomes[request_id] = evaluation.outcome
-        if evaluation.pages:
-            recalls[request_id] = evaluation.pages
+        plan = session.plan(capture.query(slot), capture.log_sum_exp(slot), cache)
+        result = session.recall(plan, cache)
+        outcomes[request_id] = result.outcome
+        if result.pages:
+            recalls[request_id] = result.pages
     if recalls:
         cache.undo_step()
         for request_id, pages in recalls.items():
             merge_into_cache(cache, request_id, pages)
         logits = decode_step(model, cache, tokens)
-    for session in sessions.values():
-        session._advance()
+    for request_id, session in sessions.items():
+        session.end_step(outcomes[request_id])
     return RecallStep(logits, outcomes, recomputed=bool(recalls))
 
 

@@ -1,8 +1,9 @@
 """KV transfer between prefill and decode workers: descriptors over gRPC, packed rows over
-pairwise torch.distributed groups (gloo for CPU tensors, NCCL for CUDA tensors)."""
+pairwise torch.distributed groups (gloo for CPU tensors, NCCL for CUDA tensors). Descriptors
+cross the wire through `services.transfer.codec` only."""
 
 from services.transfer.deadline import Deadline
-from services.transfer.descriptor import PairRoute, TransferDescriptor, from_proto, to_proto
+from services.transfer.descriptor import OffloadRef, PairRoute, TransferDescriptor, ViewHandoff
 from services.transfer.errors import (
     DescriptorInvalid,
     PairGroupsExhausted,
@@ -23,6 +24,7 @@ __all__ = [
     "DescriptorInvalid",
     "KVReceiver",
     "KVSender",
+    "OffloadRef",
     "PackedLayer",
     "PairGroupConfig",
     "PairGroupsExhausted",
@@ -39,8 +41,7 @@ __all__ = [
     "TransferKey",
     "TransferMismatch",
     "TransferTimeout",
+    "ViewHandoff",
     "ViewLayout",
-    "from_proto",
     "layer_of",
-    "to_proto",
 ]

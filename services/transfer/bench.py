@@ -27,8 +27,9 @@ import torch
 
 from services.kvpolicy.packing import OFFSET_DTYPE, POSITION_DTYPE, PackedKVView
 from services.rpc.kvrelay.v1 import decode_pb2
+from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
 from services.transfer.deadline import Deadline
-from services.transfer.descriptor import TransferDescriptor, from_proto, to_proto
+from services.transfer.descriptor import TransferDescriptor
 from services.transfer.errors import TransferKey
 from services.transfer.layout import ViewLayout, dtype_from_name, layer_of
 from services.transfer.receiver import KVReceiver
@@ -197,7 +198,7 @@ def _transfer_once(
         layout=ViewLayout.of(view),
     )
     transfer = sender.start_send(descriptor, lease, deadline)
-    conn.send(("transfer", (to_proto(descriptor).SerializeToString(), config.deadline_s)))
+    conn.send(("transfer", (descriptor_to_proto(descriptor).SerializeToString(), config.deadline_s)))
     for layer in range(view.num_layers):
         transfer.send_layer(layer_of(view, layer))
     transfer.wait_for_send(deadline)
@@ -250,7 +251,7 @@ def _decode_peer(conn: Connection, threads: int) -> None:
 
 def _receive_view(receiver: KVReceiver, descriptor_bytes: bytes, deadline_s: float) -> tuple[int, float, float]:
     started = time.perf_counter()
-    descriptor = from_proto(decode_pb2.TransferDescriptor.FromString(descriptor_bytes))
+    descriptor = descriptor_from_proto(decode_pb2.TransferDescriptor.FromString(descriptor_bytes))
     deadline = Deadline.after(deadline_s)
     transfer = receiver.start_recv(descriptor, deadline)
     transfer.wait_for_layer(0, deadline)

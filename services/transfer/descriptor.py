@@ -3,20 +3,25 @@ the tensors follow over torch.distributed.
 
 A transfer is keyed by (request id, request generation, state generation, transfer id),
 all read from the descriptor; the pair group that carries it is named by `PairRoute`, also
-read from the descriptor, never derived by the two sides separately. `to_proto` and
-`from_proto` are the only conversions to and from `kvrelay.v1.TransferDescriptor`.
+read from the descriptor, never derived by the two sides separately. `TransferDescriptor` is
+what the transfer layer moves (a packed view, or a recall's rows); `ViewHandoff` is a packed
+view offered to a decode worker: its descriptor plus what the decode worker verifies, decodes
+and accounts against. Both cross the wire only through `services.transfer.codec`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
+from services.kvpolicy.ledger import Ledger
+from services.kvpolicy.manifest import RecoverabilityMode
+from services.kvpolicy.receipt import Receipt
+from services.model.sampler import SamplingParams
 from services.transfer.errors import DescriptorInvalid, TransferKey
-from services.transfer.layout import TensorSpec, ViewLayout, dtype_from_name, layout_from_specs
-from services.transfer.sidecar import SidecarLayout, sidecar_from_specs, split_specs
+from services.transfer.layout import TensorSpec, ViewLayout
+from services.transfer.sidecar import SidecarLayout
 
 BACKENDS = ("gloo", "nccl")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -123,64 +128,133 @@ class TransferDescriptor:
         return dict(self.trace_context)
 
 
-def to_proto(descriptor: TransferDescriptor) -> decode_pb2.TransferDescriptor:
-    """The wire message. Fields this layer does not own (first token, sampling, ledger,
-    recoverability and offload handoff, prompt tokens, deadline) are left for the caller to
-    set; the page size travels here because the sidecar's summaries need it."""
-    return decode_pb2.TransferDescriptor(
-        transfer_id=descriptor.transfer_id,
-        request_id=descriptor.request_id,
-        request_generation=descriptor.request_generation,
-        receipt=common_pb2.Receipt(
+@dataclass(frozen=True)
+class OffloadRef:
+    """What became of a view's omitted rows, as its handoff says.
+
+    `mode` is what the decode worker may do: recall from the prefill worker's offload store
+    (`recallable_remote`: `handoff_id` at `address`, renewed every so often within
+    `lease_ms`), from the rows that came with the view (`recallable_local`), or nothing
+    (`omitted_irrecoverable`; `degraded` says why when the manifest promised more).
+    """
+
+    mode: RecoverabilityMode = RecoverabilityMode.OMITTED_IRRECOVERABLE
+    handoff_id: str = ""
+    address: str = ""
+    lease_ms: int = 0
+    degraded: str = ""
+
+    @property
+    def recallable(self) -> bool:
+        return self.mode is not RecoverabilityMode.OMITTED_IRRECOVERABLE
+
+
+@dataclass(frozen=True)
+class ViewHandoff:
+    """One packed view a prefill worker hands to a decode worker (the AcceptTransfer message).
+
+    `descriptor` keys and lays out the transfer and carries the receipt's digest and request,
+    state and cache generations; the other receipt bindings (manifest, parent generation,
+    frontier, origin) are here, so the decode worker rebuilds the receipt from the positions it
+    received (`receipt`). Then: output token 0 with the sampling that continues it, the ledger
+    the moved bytes must equal, and what became of the omitted rows. Construction checks what
+    needs no deployment limits (DescriptorInvalid names the wire field); each hop checks the
+    rest (token ids against its vocabulary, `check_sampling` against its limits).
+    """
+
+    descriptor: TransferDescriptor
+    manifest_sha256: str
+    parent_state_generation: int
+    frontier: int
+    position_origin: int
+    first_token_id: int
+    sampling: SamplingParams
+    max_tokens: int
+    prompt_tokens: int
+    ledger: Ledger
+    deadline_unix_ms: int = 0  # 0: none given
+    offload: OffloadRef = OffloadRef()
+
+    def __post_init__(self) -> None:
+        if not _DIGEST.fullmatch(self.manifest_sha256):
+            reason = f"{self.manifest_sha256!r} is not a lowercase hex SHA-256"
+            raise DescriptorInvalid("receipt.manifest_sha256", reason)
+        if self.descriptor.request_generation < 1:
+            raise DescriptorInvalid("receipt.generations.request_generation", "must be >= 1")
+        if self.descriptor.state_generation != self.parent_state_generation + 1:
+            raise DescriptorInvalid(
+                "receipt.generations.state_generation",
+                f"{self.descriptor.state_generation} is not parent_state_generation + 1"
+                f" ({self.parent_state_generation + 1})",
+            )
+        for name in ("position_origin", "first_token_id", "prompt_tokens", "deadline_unix_ms"):
+            if getattr(self, name) < 0:
+                raise DescriptorInvalid(_WIRE_NAMES.get(name, name), f"{getattr(self, name)} is negative")
+        if self.frontier < 1:
+            raise DescriptorInvalid("receipt.frontier", "a view to decode from covers at least one token")
+        if self.ledger.traffic_bytes != self.descriptor.nbytes:
+            raise DescriptorInvalid(
+                "ledger",
+                f"payload + metadata + sidecar = {self.ledger.traffic_bytes} bytes, the tensors listed"
+                f" move {self.descriptor.nbytes}",
+            )
+        _check_offload(self.offload, self.descriptor.sidecar)
+
+    @property
+    def key(self) -> TransferKey:
+        return self.descriptor.key
+
+    @property
+    def end(self) -> int:
+        """Original position of the first token after the prompt (where decoding starts)."""
+        return self.position_origin + self.frontier
+
+    def receipt(
+        self, selected_positions: Sequence[Sequence[Sequence[int]]], protected_positions: Sequence[int]
+    ) -> Receipt:
+        """The receipt this handoff claims, over the positions read from what arrived and the
+        manifest's protected positions; ReceiptMismatch (field `digest`) unless the claimed
+        digest recomputes, so a single moved position or generation is rejected."""
+        descriptor = self.descriptor
+        return Receipt(
+            request_id=descriptor.request_id,
+            manifest_sha256=self.manifest_sha256,
+            request_generation=descriptor.request_generation,
+            state_generation=descriptor.state_generation,
+            parent_state_generation=self.parent_state_generation,
+            cache_generation=descriptor.cache_generation,
+            frontier=self.frontier,
+            position_origin=self.position_origin,
+            selected_positions=tuple(tuple(tuple(owner) for owner in layer) for layer in selected_positions),
+            protected_positions=tuple(protected_positions),
             digest=descriptor.receipt_digest,
-            generations=common_pb2.Generations(
-                request_generation=descriptor.request_generation,
-                state_generation=descriptor.state_generation,
-                cache_generation=descriptor.cache_generation,
-            ),
-        ),
-        tensors=[
-            common_pb2.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, nbytes=s.nbytes)
-            for s in descriptor.tensors()
-        ],
-        rendezvous_address=descriptor.route.to_address(),
-        source_worker=descriptor.source_worker,
-        trace_context=descriptor.trace_carrier(),
-        page_size=descriptor.sidecar.page_size if descriptor.sidecar is not None else 0,
-    )
-
-
-def from_proto(message: decode_pb2.TransferDescriptor) -> TransferDescriptor:
-    """Parse and validate a wire descriptor; DescriptorInvalid names the first bad field."""
-    generations = message.receipt.generations
-    if generations.request_generation != message.request_generation:
-        raise DescriptorInvalid(
-            "receipt.generations.request_generation",
-            f"{generations.request_generation} != request_generation {message.request_generation}",
         )
-    specs = [TensorSpec(t.name, tuple(t.shape), t.dtype) for t in message.tensors]
-    for index, (spec, wire) in enumerate(zip(specs, message.tensors, strict=True)):
-        dtype_from_name(spec.dtype, f"tensors[{index}].dtype")
-        if wire.nbytes != spec.nbytes:
-            raise DescriptorInvalid(f"tensors[{index}].nbytes", f"{wire.nbytes} != {spec.nbytes} implied by shape and dtype")
-    view_specs, sidecar_specs = split_specs(specs)
-    layout = layout_from_specs(view_specs)
-    if sidecar_specs and message.page_size < 1:
-        raise DescriptorInvalid("page_size", f"{message.page_size}: the page summaries need a positive page size")
-    return TransferDescriptor(
-        transfer_id=message.transfer_id,
-        request_id=message.request_id,
-        request_generation=message.request_generation,
-        state_generation=generations.state_generation,
-        cache_generation=generations.cache_generation,
-        receipt_digest=message.receipt.digest,
-        source_worker=message.source_worker,
-        route=PairRoute.parse(message.rendezvous_address),
-        layout=layout,
-        trace_context=tuple(message.trace_context.items()),
-        sidecar=sidecar_from_specs(sidecar_specs, message.page_size, layout.v_dtype),
-    )
 
+
+_WIRE_NAMES = {"position_origin": "receipt.position_origin"}
+_HOST_PORT = re.compile(r"[^\s/]+:\d{1,5}")
+
+
+def _check_offload(offload: OffloadRef, sidecar: SidecarLayout | None) -> None:
+    """The handoff's account of the omitted rows agrees with the tensors it lists: summaries
+    for a recallable mode, host-tier rows exactly for `recallable_local`, and a handoff (id,
+    host:port, lease) exactly for `recallable_remote`."""
+    mode = offload.mode
+    if offload.recallable != (sidecar is not None):
+        needs = "needs" if offload.recallable else "carries no"
+        raise DescriptorInvalid("tensors", f"{mode.value} {needs} page summaries")
+    local = mode is RecoverabilityMode.RECALLABLE_LOCAL
+    if sidecar is not None and local != (sidecar.host_rows is not None):
+        reason = f"host-tier rows travel with recallable_local only, not {mode.value}"
+        raise DescriptorInvalid("tensors", reason)
+    remote = mode is RecoverabilityMode.RECALLABLE_REMOTE
+    if remote != bool(offload.handoff_id):
+        reason = f"a handoff id comes with recallable_remote only, not {mode.value}"
+        raise DescriptorInvalid("offload_handoff_id", reason)
+    if remote and not _HOST_PORT.fullmatch(offload.address):
+        raise DescriptorInvalid("offload_address", f"{offload.address!r} is not host:port")
+    if remote and offload.lease_ms < 1:
+        raise DescriptorInvalid("offload_lease_ms", f"{offload.lease_ms} must be positive")
 
 def _carrier_pairs(carrier: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
     items = carrier.items() if isinstance(carrier, Mapping) else carrier

@@ -30,7 +30,8 @@ from services.kvpolicy.packing import OFFSET_DTYPE, POSITION_DTYPE, PackedKVView
 from services.offload.merge import merge_view
 from services.offload.pages import PageRef, RecalledPage
 from services.rpc.kvrelay.v1 import common_pb2, offload_pb2
-from services.transfer.descriptor import TransferDescriptor, from_proto, to_proto
+from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
+from services.transfer.descriptor import TransferDescriptor
 from services.transfer.errors import DescriptorInvalid
 from services.transfer.layout import dtype_from_name, dtype_name
 
@@ -208,7 +209,7 @@ def answer_to_proto(answer: RecallAnswer) -> offload_pb2.RecallResponse:
         ),
     )
     if answer.transfer is not None:
-        message.transfer.CopyFrom(to_proto(answer.transfer))
+        message.transfer.CopyFrom(descriptor_to_proto(answer.transfer))
     return message
 
 
@@ -231,7 +232,7 @@ def answer_from_proto(message: offload_pb2.RecallResponse) -> RecallAnswer:
         pages=pages,
         missing=tuple(ref_from_proto(ref, f"missing[{i}]") for i, ref in enumerate(message.missing)),
         nbytes=message.bytes,
-        transfer=from_proto(message.transfer) if message.HasField("transfer") else None,
+        transfer=descriptor_from_proto(message.transfer) if message.HasField("transfer") else None,
         inline=inline,
     )
 

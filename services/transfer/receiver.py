@@ -1,7 +1,7 @@
 """Decode side of a transfer: host the rendezvous store, receive packed views layer by layer.
 
     receiver = KVReceiver(config, device)                     # receiver.address -> senders
-    transfer = receiver.start_recv(from_proto(message), deadline)   # in AcceptTransfer
+    transfer = receiver.start_recv(handoff.descriptor, deadline)  # in AcceptTransfer
     first = transfer.wait_for_layer(0, deadline)              # usable before the rest arrives
     view = transfer.wait_for_view(deadline)                   # -> PackedKVView
     sidecar = transfer.wait_for_sidecar(deadline)             # -> Sidecar | None

@@ -3,7 +3,7 @@
     lease = sender.reserve(key, decode_store_address, device, deadline)
     descriptor = TransferDescriptor(..., source_worker=sender.worker_id, route=lease.route, ...)
     transfer = sender.start_send(descriptor, lease, deadline)
-    decode_stub.AcceptTransfer(to_proto(descriptor))          # control over gRPC
+    decode_stub.AcceptTransfer(handoff_to_proto(handoff))     # control over gRPC
     for layer in range(L):
         transfer.send_layer(layer_of(view, layer))            # as soon as layer is packed
     transfer.send_sidecar(sidecar)                            # recallable manifests only

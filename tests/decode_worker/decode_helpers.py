@@ -1,40 +1,55 @@
 """Helpers shared by the decode worker tests (imported by basename; tests have no packages).
 
 A tiny random Llama checkpoint, its prefill, policy selections, and a test-side prefill
-worker (`send_view`) built from the transfer layer's `KVSender`, so the decode worker is
-tested without the real prefill worker.
+worker (`describe`) built from the transfer layer's `KVSender` and the one wire codec, so the
+decode worker is tested without the real prefill worker.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-from decode_worker.wire import ReceiptClaim
 from services.kvpolicy import allocation, snapkv
-from services.kvpolicy.ledger import ledger_for
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest, SelectionMethod, TensorContract
+from services.kvpolicy.ledger import (
+    Ledger,
+    build_ledger,
+    ledger_for,
+    with_host_tier,
+    with_page_summaries,
+)
+from services.kvpolicy.manifest import (
+    DType,
+    KVVisibilityPolicyManifest,
+    SelectionMethod,
+    TensorContract,
+)
 from services.kvpolicy.packing import PackedKVView, pack
 from services.kvpolicy.receipt import Receipt, make_receipt
 from services.kvpolicy.state import KVPolicyState, PositionGrid
 from services.kvpolicy.static import static_protected_positions, static_selection
-from services.model import LoadedModel, PrefillOptions, PrefillResult, prefill
+from services.model import LoadedModel, PrefillOptions, PrefillResult, SamplingParams, prefill
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
 from services.transfer import (
     Deadline,
     KVSender,
+    OffloadRef,
     PairLease,
+    PairRoute,
     SendTransfer,
+    Sidecar,
+    SidecarLayout,
     TransferDescriptor,
     TransferKey,
+    ViewHandoff,
     ViewLayout,
     layer_of,
-    to_proto,
 )
+from services.transfer.codec import handoff_to_proto, sampling_from_proto
 
 VOCAB, EOS = 97, 2
 OBS_WINDOW = 4
@@ -126,19 +141,40 @@ class PackedState:
     receipt: Receipt
 
     @property
-    def claim(self) -> ReceiptClaim:
+    def ledger(self) -> Ledger:
+        return ledger_for(self.manifest, self.prefilled.length, self.state.selected_positions)
+
+    def handoff(self, view: PackedKVView | None = None, **changes: object) -> ViewHandoff:
+        """The handoff of `view` (default: the packed view) claiming this receipt, with `changes`
+        to descriptor fields (`request_id`, `receipt_digest`, generations) or handoff fields
+        (`frontier`, `parent_state_generation`, ...). A view other than the packed one gets
+        its own ledger, so the handoff stays consistent with the tensors it lists."""
+        own = view is None or view is self.view
+        view = self.view if view is None else view
         receipt = self.receipt
-        return ReceiptClaim(
-            digest=receipt.digest,
-            manifest_sha256=receipt.manifest_sha256,
-            request_id=receipt.request_id,
-            request_generation=receipt.request_generation,
-            state_generation=receipt.state_generation,
-            parent_state_generation=receipt.parent_state_generation,
-            cache_generation=receipt.cache_generation,
-            frontier=receipt.frontier,
-            position_origin=receipt.position_origin,
-        )
+        names = {f.name for f in fields(TransferDescriptor)}
+        descriptor = TransferDescriptor(**{
+            "transfer_id": "t-test", "request_id": receipt.request_id,
+            "request_generation": receipt.request_generation, "state_generation": receipt.state_generation,
+            "cache_generation": receipt.cache_generation, "receipt_digest": receipt.digest,
+            "source_worker": "prefill-test", "route": PairRoute("127.0.0.1:1", "gloo", 1),
+            "layout": ViewLayout.of(view), **{k: v for k, v in changes.items() if k in names},
+        })
+        return ViewHandoff(**{
+            "descriptor": descriptor, "manifest_sha256": receipt.manifest_sha256,
+            "parent_state_generation": receipt.parent_state_generation, "frontier": receipt.frontier,
+            "position_origin": receipt.position_origin, "first_token_id": self.prefilled.first_token,
+            "sampling": SamplingParams(), "max_tokens": 8, "prompt_tokens": self.prefilled.length,
+            "ledger": self.ledger if own else ledger_of_view(view, self.prefilled.length),
+            **{k: v for k, v in changes.items() if k not in names},
+        })  # type: ignore[arg-type]
+
+
+def ledger_of_view(view: PackedKVView, prompt_len: int) -> Ledger:
+    """The ledger of any packed view (K/V-head owners), e.g. one no manifest describes."""
+    dtype = (DType(str(view.packed_k.dtype).removeprefix("torch.")), DType(str(view.packed_v.dtype).removeprefix("torch.")))
+    contract = TensorContract(view.num_layers, view.num_kv_heads, view.num_kv_heads, view.head_dim, *dtype)
+    return build_ledger(contract, prompt_len, view.selected_positions())
 
 
 def pack_state(
@@ -187,15 +223,19 @@ def sampling_proto(max_tokens: int, **values: object) -> common_pb2.SamplingPara
 
 @dataclass
 class Sent:
-    """A transfer on its way: the wire descriptor for AcceptTransfer, the reserved pair group,
-    and the sending side once started."""
+    """A transfer on its way: the handoff and its wire form for AcceptTransfer, the reserved
+    pair group, and the sending side once started."""
 
     message: decode_pb2.TransferDescriptor
-    descriptor: TransferDescriptor
+    handoff: ViewHandoff
     sender: KVSender
     lease: PairLease
     deadline: Deadline
     transfer: SendTransfer | None = None
+
+    @property
+    def descriptor(self) -> TransferDescriptor:
+        return self.handoff.descriptor
 
     def start(self) -> SendTransfer:
         self.transfer = self.sender.start_send(self.descriptor, self.lease, self.deadline)
@@ -218,9 +258,12 @@ def describe(
     digest: str | None = None,
     sampling: common_pb2.SamplingParams | None = None,
     deadline_s: float = 10.0,
+    sidecar: Sidecar | None = None,
+    offload: OffloadRef = OffloadRef(),
 ) -> Sent:
-    """Reserve a pair group at the decode worker and build the descriptor of `view` (default:
-    the packed view) claiming `packed`'s receipt (or `digest`); nothing is sent yet."""
+    """Reserve a pair group at the decode worker and build the handoff of `view` (default: the
+    packed view) claiming `packed`'s receipt (or `digest`), with `sidecar` (recallable) and
+    `offload`, written by the one codec as the prefill worker writes it; nothing is sent yet."""
     view = view if view is not None else packed.view
     receipt = packed.receipt
     key = TransferKey(receipt.request_id, receipt.request_generation, receipt.state_generation, uuid.uuid4().hex[:12])
@@ -236,30 +279,27 @@ def describe(
         source_worker=sender.worker_id,
         route=lease.route,
         layout=ViewLayout.of(view),
+        sidecar=SidecarLayout.of(sidecar, view.packed_v.dtype) if sidecar is not None else None,
     )
-    message = to_proto(descriptor)
-    message.receipt.manifest_sha256 = receipt.manifest_sha256
-    message.receipt.generations.parent_state_generation = receipt.parent_state_generation
-    message.receipt.frontier = receipt.frontier
-    message.receipt.position_origin = receipt.position_origin
-    message.first_token_id = packed.prefilled.first_token
-    message.sampling.CopyFrom(sampling or sampling_proto(8))
-    message.prompt_tokens = packed.prefilled.length
-    message.deadline_unix_ms = int((time.time() + deadline_s) * 1000)
-    message.ledger.CopyFrom(ledger_proto(packed))
-    return Sent(message, descriptor, sender, lease, deadline)
-
-
-def ledger_proto(packed: PackedState) -> common_pb2.Ledger:
-    ledger = ledger_for(packed.manifest, packed.prefilled.length, packed.state.selected_positions)
-    return common_pb2.Ledger(
-        bytes_per_row=ledger.bytes_per_row,
-        full_payload_bytes=ledger.full_payload_bytes,
-        visible_payload_bytes=ledger.visible_payload_bytes,
-        position_map_bytes=ledger.position_map_bytes,
-        row_offsets_bytes=ledger.offsets_bytes,
-        transaction_peak_bytes=ledger.transaction_peak_bytes,
+    ledger = packed.ledger
+    if sidecar is not None:
+        ledger = with_host_tier(with_page_summaries(ledger, sidecar.summaries.nbytes), sidecar.host_tier_bytes)
+    params, max_tokens = sampling_from_proto(sampling or sampling_proto(8))
+    handoff = ViewHandoff(
+        descriptor=descriptor,
+        manifest_sha256=receipt.manifest_sha256,
+        parent_state_generation=receipt.parent_state_generation,
+        frontier=receipt.frontier,
+        position_origin=receipt.position_origin,
+        first_token_id=packed.prefilled.first_token,
+        sampling=params,
+        max_tokens=max_tokens,
+        prompt_tokens=packed.prefilled.length,
+        ledger=ledger,
+        deadline_unix_ms=int((time.time() + deadline_s) * 1000),
+        offload=offload,
     )
+    return Sent(handoff_to_proto(handoff), handoff, sender, lease, deadline)
 
 
 def send_all(sent: Sent, view: PackedKVView) -> None:

@@ -41,7 +41,7 @@ from services.offload.recall import RecallKnobs, with_recall
 from services.policy import Phase, PolicyClient, StaleGeneration, StatePublication
 from services.rpc.errors import error_detail
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
-from services.transfer import KVSender, Sidecar, SidecarLayout, layer_of, to_proto
+from services.transfer import KVSender, OffloadRef, Sidecar, layer_of
 
 pytestmark = pytest.mark.timeout(90)
 torch.set_num_threads(1)
@@ -101,27 +101,13 @@ async def send_recallable(stub, sender: KVSender, worker, packed: PackedState, c
                           recoverability: str, max_tokens: int = 8, degraded: str = "") -> Sent:
     """The prefill worker's send stage for a recallable view: descriptor with the sidecar and
     the offload fields, AcceptTransfer, every layer, then the sidecar."""
+    mode = RecoverabilityMode(recoverability)
+    remote = mode is RecoverabilityMode.RECALLABLE_REMOTE
+    offload = OffloadRef(mode, handoff_id="h-1" if remote else "", address=DEAD_OFFLOAD if remote else "",
+                         lease_ms=30_000 if remote else 0, degraded=degraded)
     sent = await asyncio.to_thread(describe, packed, sender, worker.rendezvous_address,
-                                   sampling=sampling_proto(max_tokens))
-    if car is not None:
-        sent.descriptor = dataclasses.replace(sent.descriptor,
-                                              sidecar=SidecarLayout.of(car, packed.view.packed_v.dtype))
-        message = to_proto(sent.descriptor)
-        message.MergeFrom(sent.message)  # keep what describe() set besides the tensors
-        del message.tensors[:]
-        message.tensors.extend(to_proto(sent.descriptor).tensors)
-        sent.message = message
+                                   sampling=sampling_proto(max_tokens), sidecar=car, offload=offload)
     message = sent.message
-    message.recoverability = recoverability
-    message.offload_degraded = degraded
-    message.receipt.omitted_rows = sum(
-        packed.prefilled.length - len(owner) for layer in packed.state.selected_positions for owner in layer)
-    if recoverability == RecoverabilityMode.RECALLABLE_REMOTE.value:
-        message.offload_handoff_id, message.offload_address, message.offload_lease_ms = "h-1", DEAD_OFFLOAD, 30_000
-    ledger = ledger_for(packed.manifest, packed.prefilled.length, packed.state.selected_positions)
-    if car is not None:
-        ledger = with_host_tier(with_page_summaries(ledger, car.summaries.nbytes), car.host_tier_bytes)
-    message.ledger.page_summary_bytes, message.ledger.host_tier_bytes = ledger.page_summary_bytes, ledger.host_tier_bytes
     await asyncio.to_thread(sent.start)
     reply = await stub.AcceptTransfer(decode_pb2.AcceptTransferRequest(descriptor=message), timeout=CALL_S)
     assert reply.accepted

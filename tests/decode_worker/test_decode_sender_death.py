@@ -56,7 +56,7 @@ async def test_sender_death_releases_the_reservation_within_the_deadline(stub, w
         budget = worker.servicer.scheduler.budget
         assert budget.used_bytes == response.reserved_bytes > 0
         request = decode_pb2.StreamTokensRequest(
-            request_id=message.request_id, request_generation=message.request_generation,
+            request_id=message.request_id, request_generation=message.receipt.generations.request_generation,
             transfer_id=message.transfer_id,
         )
         stream = asyncio.ensure_future(_first_event(stub, request))

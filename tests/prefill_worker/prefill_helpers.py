@@ -18,7 +18,8 @@ from services.model.config import parse_model_config
 from services.model.model import CausalLM
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
 from services.rpc.server import RpcServer, ServerConfig, ServiceBinding, start_server
-from services.transfer import Deadline, KVReceiver, from_proto
+from services.transfer import Deadline, KVReceiver
+from services.transfer.codec import handoff_from_proto
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -102,7 +103,8 @@ class RecordingDecodeWorker(decode_pb2_grpc.DecodeWorkerServicer):
         if self.refuse_next > 0:
             self.refuse_next -= 1
             return decode_pb2.AcceptTransferResponse(transfer_id=message.transfer_id, accepted=False)
-        transfer = self.receiver.start_recv(from_proto(message), Deadline.after(RECEIVE_S))
+        # The decode worker's one parser: the descriptor must be a complete, consistent handoff.
+        transfer = self.receiver.start_recv(handoff_from_proto(message).descriptor, Deadline.after(RECEIVE_S))
 
         def receive() -> Received:
             view = transfer.wait_for_view(Deadline.after(RECEIVE_S))

@@ -155,7 +155,7 @@ async def test_full_policy_decodes_what_one_process_generates(
     prompt = prompt_ids(PROMPT_LEN, seed=11)
     run = await prefill_then_decode(workers, policy_client, "p2d-full", manifests["full"], prompt)
     assert run.tokens == generate(model, prompt, MAX_TOKENS)
-    assert run.tokens[0] == run.reply.first_token_id
+    assert run.tokens[0] == run.reply.transfer.first_token_id
     assert run.reply.receipt.omitted_rows == 0
     assert run.summary.verified_receipt_digest == run.reply.receipt.digest
     assert_bytes_match_the_ledger(run)
@@ -173,7 +173,7 @@ async def test_snapkv_view_is_verified_against_the_published_receipt(
     assert run.summary.verified_receipt_digest == receipt.digest
     assert run.summary.retained_rows == receipt.retained_rows
     assert receipt.digest == in_process_digest(model, manifest, "p2d-snapkv", receipt.generations.request_generation, prompt)
-    assert 1 <= len(run.tokens) <= MAX_TOKENS and run.tokens[0] == run.reply.first_token_id
+    assert 1 <= len(run.tokens) <= MAX_TOKENS and run.tokens[0] == run.reply.transfer.first_token_id
     assert run.summary.generations.state_generation == receipt.generations.state_generation == 1
     assert run.summary.output_tokens == len(run.tokens)
     assert receipt.omitted_rows > 0

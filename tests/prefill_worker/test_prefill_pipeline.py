@@ -14,6 +14,7 @@ from prefill_worker.errors import ManifestUnsupported
 from prefill_worker.manifests import check_servable
 from prefill_worker.pipeline import PrefillJob, Selection, allocate, forward, pack, score, select
 from prefill_worker.wire import DecodeTarget, PrefillCall
+from services.kvpolicy.fit import Deployment
 from services.kvpolicy.manifest import (
     DType,
     KVVisibilityPolicyManifest,
@@ -179,14 +180,14 @@ def test_a_different_view_gets_a_different_digest(
 def test_check_servable_names_the_field_it_cannot_serve(
     model: LoadedModel, manifests: dict[str, KVVisibilityPolicyManifest]
 ) -> None:
-    check_servable(manifests["snapkv"], model.tensor_contract)
+    check_servable(manifests["snapkv"], Deployment(model.tensor_contract, offload_store=False))
     other = TensorContract(3, 4, 2, 16, DType.FLOAT32, DType.FLOAT32)
     with pytest.raises(ManifestUnsupported) as bad_contract:
-        check_servable(manifests["snapkv"], other)
+        check_servable(manifests["snapkv"], Deployment(other))
     assert bad_contract.value.field == "tensor.num_layers"
     bf16 = dataclasses.replace(model.tensor_contract, k_dtype=DType.BFLOAT16, v_dtype=DType.BFLOAT16)
     with pytest.raises(ManifestUnsupported) as bad_dtype:
-        check_servable(manifests["snapkv"], bf16)
+        check_servable(manifests["snapkv"], Deployment(bf16))
     assert bad_dtype.value.field == "tensor.k_dtype"
     recall = RecoverabilityContract(
         RecoverabilityMode.RECALLABLE_REMOTE, handoff_id="h", recall_threshold=0.1, page_size=16,
@@ -195,6 +196,7 @@ def test_check_servable_names_the_field_it_cannot_serve(
     )
     recallable = dataclasses.replace(manifests["snapkv"], recoverability=recall)
     with pytest.raises(ManifestUnsupported) as bad_mode:
-        check_servable(recallable, model.tensor_contract)
+        check_servable(recallable, Deployment(model.tensor_contract, offload_store=False))
     assert bad_mode.value.field == "recoverability.mode"
+    check_servable(recallable, Deployment(model.tensor_contract, offload_store=True))
 

@@ -16,7 +16,7 @@ from prefill_worker.server import PrefillServer
 from services.kvpolicy import snapkv
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.kvpolicy.receipt import Receipt
-from services.model import LoadedModel
+from services.model import LoadedModel, generate
 from services.policy import PolicyClient
 from services.policy.types import Phase
 from services.rpc.errors import error_detail
@@ -78,6 +78,7 @@ async def rpc_error(call: object) -> grpc.aio.AioRpcError:
 
 async def test_prefill_publishes_and_hands_the_view_to_the_decode_worker(
     stub: prefill_pb2_grpc.PrefillWorkerStub,
+    model: LoadedModel,
     policy: PolicyClient,
     manifests: dict[str, KVVisibilityPolicyManifest],
     decode_worker: tuple[RecordingDecodeWorker, RpcServer],
@@ -94,7 +95,10 @@ async def test_prefill_publishes_and_hands_the_view_to_the_decode_worker(
 
     descriptor = reply.transfer
     assert [d.transfer_id for d in recorder.accepted] == [descriptor.transfer_id]
-    assert descriptor.first_token_id == reply.first_token_id and descriptor.prompt_tokens == PROMPT_LEN
+    # Output token 0 travels with the transfer (the response does not repeat it).
+    assert "first_token_id" not in prefill_pb2.PrefillResponse.DESCRIPTOR.fields_by_name
+    assert descriptor.first_token_id == generate(model, prompt_ids(PROMPT_LEN, seed=7), 1)[0]  # greedy
+    assert descriptor.prompt_tokens == PROMPT_LEN
     assert descriptor.sampling.max_tokens == 4 and descriptor.deadline_unix_ms > time.time() * 1000
     received = await recorder.received(descriptor.transfer_id)
 

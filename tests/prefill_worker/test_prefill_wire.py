@@ -11,17 +11,13 @@ import pytest
 
 from prefill_worker.admission import Admission
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.wire import (
-    RequestLimits,
-    parse_prefill_request,
-    sampling_from_proto,
-    sampling_to_proto,
-)
+from prefill_worker.wire import RequestLimits, parse_prefill_request
 from services.rpc.errors import InvalidArgument, ResourceExhausted
 from services.rpc.kvrelay.v1 import common_pb2, prefill_pb2
 from services.transfer import PairGroupConfig
+from services.transfer.codec import sampling_from_proto, sampling_to_proto
 
-LIMITS = RequestLimits(vocab_size=97, max_prompt_tokens=32)
+LIMITS = RequestLimits(vocab_size=97, max_prompt_tokens=32, context_length=40)
 SHA = "ab" * 32
 
 
@@ -65,6 +61,10 @@ def test_a_valid_request_parses_into_a_call() -> None:
         ({"decode_worker_id": ""}, "decode_worker_id"),
         ({"decode_worker_id": "a/b"}, "decode_worker_id"),
         ({"sampling": common_pb2.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
+        # The gateway's rule, re-checked: 3 prompt tokens leave 37 of the context of 40.
+        ({"sampling": common_pb2.SamplingParams(max_tokens=38)}, "sampling.max_tokens"),
+        ({"sampling": common_pb2.SamplingParams(max_tokens=1, temperature=math.inf)}, "sampling.temperature"),
+        ({"sampling": common_pb2.SamplingParams(max_tokens=1, stop_token_ids=[1] * 65)}, "sampling.stop_token_ids"),
         ({"sampling": common_pb2.SamplingParams(max_tokens=1, temperature=-1)}, "sampling.temperature"),
         ({"sampling": common_pb2.SamplingParams(max_tokens=1, temperature=math.nan)}, "sampling.temperature"),
         ({"sampling": common_pb2.SamplingParams(max_tokens=1, top_p=1.5)}, "sampling.top_p"),
@@ -88,8 +88,9 @@ def test_a_field_sent_with_the_wrong_wire_type_is_rejected() -> None:
 
 def test_sampling_round_trips_through_the_wire() -> None:
     message = common_pb2.SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=11, max_tokens=7, stop_token_ids=[4])
-    params, max_tokens = sampling_from_proto(message, 97)
-    assert sampling_to_proto(params, max_tokens) == message
+    call = parse_prefill_request(request(sampling=message), LIMITS)
+    assert sampling_from_proto(message) == (call.sampling, call.max_tokens)
+    assert sampling_to_proto(call.sampling, call.max_tokens) == message
 
 
 def test_config_names_the_bad_field(tmp_path: Path) -> None:

@@ -71,8 +71,8 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.PrefillResponse(
             receipt=common_pb2.Receipt(digest="d" * 64, manifest_sha256=request.manifest_sha256,
                                        generations=generations, retained_rows=40, omitted_rows=24),
-            first_token_id=TOKENS[0],
-            transfer=decode_pb2.TransferDescriptor(transfer_id=f"t{request.request_generation}"),
+            transfer=decode_pb2.TransferDescriptor(transfer_id=f"t{request.request_generation}",
+                                                   first_token_id=TOKENS[0]),
             ledger=common_pb2.Ledger(full_payload_bytes=1000, visible_payload_bytes=600, bytes_moved=650),
             prefill_worker="prefill-scripted",
         )
@@ -243,6 +243,8 @@ async def test_failure_after_first_token_ends_with_unavailable(deploy) -> None: 
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert d.decode_addresses[0] in caught.value.details()
     assert len(d.prefill.calls) == 1 and not d.decodes[1].calls
+    # A failed request is ended (fenced) too: EndRequest is the gateway's alone.
+    assert await ended_generation(d.policy, "late-1") == d.prefill.calls[0].request_generation
 
 
 async def test_second_failure_is_reported_not_retried_again(deploy) -> None:  # type: ignore[no-untyped-def]
@@ -254,6 +256,7 @@ async def test_second_failure_is_reported_not_retried_again(deploy) -> None:  # 
     assert len(d.prefill.calls) == 2
     detail = error_detail(caught.value)
     assert detail is not None and detail.reason == common_pb2.ERROR_REASON_BACKEND_UNAVAILABLE
+    assert await ended_generation(d.policy, "twice-1") == d.prefill.calls[1].request_generation
 
 
 async def test_cancel_during_prefill_reaches_the_prefill_worker(deploy) -> None:  # type: ignore[no-untyped-def]

@@ -78,7 +78,7 @@ def test_finish_reasons():
         ({"temperature": -1.0}, "sampling.temperature"),
         ({"top_k": -2}, "sampling.top_k"),
         ({"top_p": 0.0}, "sampling.top_p"),
-        ({"stop_token_ids": (-1,)}, "sampling.stop_token_ids"),
+        ({"stop_token_ids": (-1,)}, "sampling.stop_token_ids[0]"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs, field):

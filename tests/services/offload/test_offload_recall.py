@@ -20,6 +20,7 @@ from services.kvpolicy.packing import PackedKVView, pack
 from services.kvpolicy.state import KVPolicyState
 from services.model import DecodeCache, PrefillOptions, PrefillResult, decode_step, prefill
 from services.model.config import make_tensor_contract, parse_model_config
+from services.model.kvcache import StepCapture
 from services.model.model import CausalLM
 from services.offload.errors import RecallFailed, RecallUnavailable
 from services.offload.pages import (
@@ -34,6 +35,7 @@ from services.offload.recall import (
     RecallKnobs,
     RecallSession,
     RecallStatus,
+    cache_generation_after,
     decode_with_recall,
     merge_into_cache,
     with_recall,
@@ -253,6 +255,34 @@ def test_threshold_zero_recalls_every_page_and_equals_full_cache_decode(model: C
     assert [int(x.argmax()) for x in recalled] == [int(x.argmax()) for x in full]
     for ours, reference in zip(recalled, full, strict=True):
         torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+def test_the_public_step_api_drives_one_recall_and_advances_the_generation_at_end_step(
+    model: CausalLM,
+) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    session = RecallSession(
+        compressed.manifest, compressed.summaries, StoreFetcher(compressed.rows), state=compressed.state
+    )
+    cache = view_cache(model, compressed)
+    assert session.due()
+    capture = StepCapture()
+    decode_step(model, cache, [compressed.first_token], capture)
+    plan = session.plan(capture.query(0), capture.log_sum_exp(0), cache)
+    assert plan.outcome.status is RecallStatus.BELOW_THRESHOLD
+    assert len(plan.pages) == compressed.summaries.num_pages
+    result = session.recall(plan, cache)
+    assert result.outcome.recalled and len(result.pages) == len(plan.pages)
+    successor = result.outcome.successor
+    assert successor is not None and session.state == successor
+    start = compressed.state.cache_generation
+    assert session.cache_generation == start  # only end_step advances it
+    assert successor.cache_generation == cache_generation_after(start, recalled=True) == start + 2
+    session.end_step(result.outcome)
+    assert (session.cache_generation, session.steps) == (successor.cache_generation, 1)
+    assert not session.due() and session.skipped().status is RecallStatus.NOT_DUE
+    session.end_step(session.skipped())
+    assert session.cache_generation == cache_generation_after(start + 2, recalled=False)
 
 
 def test_full_recall_gate_recalls_everything_past_the_page_limit(model: CausalLM) -> None:

@@ -47,6 +47,7 @@ def test_rewrite_imports_targets_the_services_package() -> None:
 
 def test_every_service_of_the_schema_is_generated() -> None:
     from services.rpc.kvrelay.v1 import (
+        common_pb2,
         decode_pb2,
         gateway_pb2,
         offload_pb2,
@@ -67,6 +68,8 @@ def test_every_service_of_the_schema_is_generated() -> None:
     generate = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].methods_by_name["Generate"]
     assert generate.server_streaming and not generate.client_streaming
     descriptor = decode_pb2.TransferDescriptor.DESCRIPTOR.fields_by_name
-    for field in ("transfer_id", "request_id", "request_generation", "receipt", "tensors",
-                  "rendezvous_address", "trace_context"):
+    for field in ("transfer_id", "request_id", "receipt", "tensors", "rendezvous_address", "trace_context"):
         assert field in descriptor
+    # Generations travel once, in the receipt.
+    assert "request_generation" not in descriptor
+    assert "request_generation" in common_pb2.Generations.DESCRIPTOR.fields_by_name

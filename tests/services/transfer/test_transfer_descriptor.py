@@ -21,10 +21,9 @@ from services.transfer import (
     TransferKey,
     TransferMismatch,
     ViewLayout,
-    from_proto,
     layer_of,
-    to_proto,
 )
+from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
 from services.transfer.layout import TensorSpec, check_layer, layout_from_specs
 
 SELECTED = [[[0, 2, 5], [1]], [[], [0, 1, 2, 3, 4, 5]], [[3], [4]]]
@@ -99,14 +98,17 @@ def test_a_layer_that_disagrees_with_the_layout_is_a_mismatch(change, field) -> 
 
 def test_descriptor_round_trips_through_the_proto() -> None:
     descriptor = _descriptor()
-    message = to_proto(descriptor)
+    message = descriptor_to_proto(descriptor)
     assert message.rendezvous_address == "10.0.0.7:29500/gloo/123456789"
+    # The generations travel once, in the receipt (no top-level request_generation to disagree).
+    assert "request_generation" not in type(message).DESCRIPTOR.fields_by_name
+    assert message.receipt.generations.request_generation == 4
     assert message.receipt.generations.state_generation == 7
     assert message.receipt.generations.cache_generation == 9
     assert len(message.tensors) == 12
     assert sum(t.nbytes for t in message.tensors) == descriptor.layout.nbytes
     assert dict(message.trace_context) == {"traceparent": "00-abc-def-01", "tracestate": "k=v"}
-    parsed = from_proto(type(message).FromString(message.SerializeToString()))
+    parsed = descriptor_from_proto(type(message).FromString(message.SerializeToString()))
     assert parsed == descriptor
     assert parsed.key == KEY
 
@@ -144,9 +146,9 @@ def test_invalid_routes_are_named(route: tuple[str, str, int], field: str) -> No
 
 
 def test_malformed_wire_descriptors_are_rejected_naming_the_field() -> None:
-    message = to_proto(_descriptor())
+    message = descriptor_to_proto(_descriptor())
     cases = {
-        "receipt.generations.request_generation": lambda m: setattr(m.receipt.generations, "request_generation", 5),
+        "receipt.digest": lambda m: setattr(m.receipt, "digest", "ABC"),
         "tensors[3].nbytes": lambda m: setattr(m.tensors[3], "nbytes", 1),
         "tensors[2].dtype": lambda m: setattr(m.tensors[2], "dtype", "nonsense"),
         "tensors[7]": _shrink_packed_v_of_layer_1,
@@ -158,7 +160,7 @@ def test_malformed_wire_descriptors_are_rejected_naming_the_field() -> None:
         broken = type(message).FromString(message.SerializeToString())
         corrupt(broken)
         with pytest.raises(DescriptorInvalid) as caught:
-            from_proto(broken)
+            descriptor_from_proto(broken)
         assert caught.value.field == field, field
 
 

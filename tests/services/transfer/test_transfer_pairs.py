@@ -32,10 +32,9 @@ from services.transfer import (
     TransferKey,
     TransferTimeout,
     ViewLayout,
-    from_proto,
     layer_of,
-    to_proto,
 )
+from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
 from services.transfer.descriptor import PairRoute
 
 pytestmark = pytest.mark.timeout(90)
@@ -136,7 +135,7 @@ def _send_symbolic(
         lease = sender.reserve(key_of(transfer_id), address, "cpu", deadline)
         descriptor = describe(view, sender, lease.route, transfer_id)
         transfer = sender.start_send(descriptor, lease, deadline)
-        conn.send(("descriptor", to_proto(descriptor).SerializeToString()))
+        conn.send(("descriptor", descriptor_to_proto(descriptor).SerializeToString()))
         for layer in range(view.num_layers):
             transfer.send_layer(layer_of(view, layer))
             if layer == pause_after:
@@ -157,7 +156,7 @@ def _receiver_peer(conn: Connection) -> None:
     command, args = conn.recv()
     if command == "stop":
         return
-    transfer = receiver.start_recv(from_proto(_descriptor_message(args["descriptor"])), Deadline.after(REPLY_S))
+    transfer = receiver.start_recv(descriptor_from_proto(_descriptor_message(args["descriptor"])), Deadline.after(REPLY_S))
     for layer in range(args["pause_after"] + 1):
         transfer.wait_for_layer(layer, Deadline.after(REPLY_S))
     conn.send(("paused", args["pause_after"]))
@@ -227,7 +226,7 @@ def receiver() -> Any:
 
 
 def _receive(receiver: KVReceiver, peer: Peer, deadline_s: float = 10.0) -> tuple[PackedKVView, TransferDescriptor, int]:
-    descriptor = from_proto(_descriptor_message(peer.expect("descriptor")[1]))
+    descriptor = descriptor_from_proto(_descriptor_message(peer.expect("descriptor")[1]))
     transfer = receiver.start_recv(descriptor, Deadline.after(deadline_s))
     view = transfer.wait_for_view(Deadline.after(deadline_s))
     return view, descriptor, transfer.bytes_moved
@@ -243,7 +242,7 @@ def _send_args(address: str, transfer_id: str, deadline_s: float = 10.0, **extra
 def test_ragged_view_arrives_layer_by_layer_with_every_value(peers: dict[str, Peer], receiver: KVReceiver) -> None:
     sender = peers["sender"]
     sender.send("send", worker="prefill-a", send=_send_args(receiver.address, "t-roundtrip", pause_after=0))
-    descriptor = from_proto(_descriptor_message(sender.expect("descriptor")[1]))
+    descriptor = descriptor_from_proto(_descriptor_message(sender.expect("descriptor")[1]))
     transfer = receiver.start_recv(descriptor, Deadline.after(10))
     sender.expect("paused")
     # Layer 0 is usable while the sender has not even queued layer 1.
@@ -324,7 +323,7 @@ def test_idle_group_is_closed_and_replaced(peers: dict[str, Peer]) -> None:
 def test_sender_killed_mid_transfer(peers: dict[str, Peer], receiver: KVReceiver) -> None:
     doomed = peers["doomed_sender"]
     doomed.send("send", worker="prefill-k", send=_send_args(receiver.address, "t-killed", pause_after=1))
-    descriptor = from_proto(_descriptor_message(doomed.expect("descriptor")[1]))
+    descriptor = descriptor_from_proto(_descriptor_message(doomed.expect("descriptor")[1]))
     transfer = receiver.start_recv(descriptor, Deadline.after(10))
     doomed.expect("paused")
     transfer.wait_for_layer(1, Deadline.after(10))
@@ -349,7 +348,7 @@ def test_sender_killed_mid_transfer(peers: dict[str, Peer], receiver: KVReceiver
 def test_stalled_sender_times_out_and_both_sides_release(peers: dict[str, Peer], receiver: KVReceiver) -> None:
     sender = peers["sender"]
     sender.send("send", worker="prefill-stall", send=_send_args(receiver.address, "t-stall", pause_after=0))
-    descriptor = from_proto(_descriptor_message(sender.expect("descriptor")[1]))
+    descriptor = descriptor_from_proto(_descriptor_message(sender.expect("descriptor")[1]))
     transfer = receiver.start_recv(descriptor, Deadline.after(10))
     sender.expect("paused")
 
@@ -379,7 +378,7 @@ def test_receiver_killed_mid_transfer(peers: dict[str, Peer]) -> None:
     lease = sender.reserve(key_of("t-receiver-killed"), doomed.hello, "cpu", deadline)
     descriptor = describe(view, sender, lease.route, "t-receiver-killed")
     transfer = sender.start_send(descriptor, lease, deadline)
-    doomed.send("recv", descriptor=to_proto(descriptor).SerializeToString(), pause_after=0)
+    doomed.send("recv", descriptor=descriptor_to_proto(descriptor).SerializeToString(), pause_after=0)
     transfer.send_layer(layer_of(view, 0))
     doomed.expect("paused")
     doomed.kill()

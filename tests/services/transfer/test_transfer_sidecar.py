@@ -27,10 +27,9 @@ from services.transfer import (
     TransferKey,
     TransferMismatch,
     ViewLayout,
-    from_proto,
     layer_of,
-    to_proto,
 )
+from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
 from services.transfer.descriptor import PairRoute
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,7 +71,7 @@ def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(pair,
     receiver, sender = pair
     car, k, v = sidecar(local)
     view, descriptor, lease, deadline = describe(sender, receiver.address, car, k, v)
-    wire = from_proto(to_proto(descriptor))
+    wire = descriptor_from_proto(descriptor_to_proto(descriptor))
     assert wire == descriptor and wire.nbytes == descriptor.nbytes
 
     incoming = receiver.start_recv(wire, deadline)
@@ -134,14 +133,14 @@ def test_a_descriptor_with_summaries_needs_a_page_size() -> None:
         receipt_digest="0" * 64, source_worker="prefill-x", route=PairRoute("127.0.0.1:1234", "gloo", 7),
         layout=ViewLayout.of(view), sidecar=SidecarLayout.of(car),
     )
-    message = to_proto(descriptor)
+    message = descriptor_to_proto(descriptor)
     assert message.page_size == PAGE
     message.page_size = 0
     with pytest.raises(DescriptorInvalid) as caught:
-        from_proto(message)
+        descriptor_from_proto(message)
     assert caught.value.field == "page_size"
     del message.tensors[-1]  # page_max: the sidecar is no longer the one its specs describe
     message.page_size = PAGE
     with pytest.raises(DescriptorInvalid) as truncated:
-        from_proto(message)
+        descriptor_from_proto(message)
     assert truncated.value.field.startswith("tensors")

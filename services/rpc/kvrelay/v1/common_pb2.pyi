@@ -167,7 +167,7 @@ class Receipt(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., generations: _Optional[_Union[Generations, _Mapping]] = ..., frontier: _Optional[int] = ..., position_origin: _Optional[int] = ..., retained_rows: _Optional[int] = ..., omitted_rows: _Optional[int] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes")
+    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes", "num_layers", "num_owners", "owners_are_query_heads", "prompt_rows", "visible_rows", "unique_kv_rows", "query_expanded_rows")
     BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     FULL_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,13 @@ class Ledger(_message.Message):
     RECALLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SUMMARY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_ARE_QUERY_HEADS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_KV_ROWS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_EXPANDED_ROWS_FIELD_NUMBER: _ClassVar[int]
     bytes_per_row: int
     full_payload_bytes: int
     visible_payload_bytes: int
@@ -192,7 +199,14 @@ class Ledger(_message.Message):
     recalled_bytes: int
     page_summary_bytes: int
     host_tier_bytes: int
-    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    num_owners: int
+    owners_are_query_heads: bool
+    prompt_rows: int
+    visible_rows: int
+    unique_kv_rows: int
+    query_expanded_rows: int
+    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_owners: _Optional[int] = ..., owners_are_query_heads: _Optional[bool] = ..., prompt_rows: _Optional[int] = ..., visible_rows: _Optional[int] = ..., unique_kv_rows: _Optional[int] = ..., query_expanded_rows: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferDescriptor(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "request_generation", "receipt", "tensors", "rendezvous_address", "source_worker", "first_token_id", "sampling", "ledger", "offload_handoff_id", "offload_address", "prompt_tokens", "trace_context", "deadline_unix_ms", "recoverability", "page_size", "offload_lease_ms", "offload_degraded")
+    __slots__ = ("transfer_id", "request_id", "receipt", "tensors", "rendezvous_address", "source_worker", "first_token_id", "sampling", "ledger", "offload_handoff_id", "offload_address", "prompt_tokens", "trace_context", "deadline_unix_ms", "recoverability", "page_size", "offload_lease_ms", "offload_degraded")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -18,7 +18,6 @@ class TransferDescriptor(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -37,7 +36,6 @@ class TransferDescriptor(_message.Message):
     OFFLOAD_DEGRADED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
-    request_generation: int
     receipt: _common_pb2.Receipt
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     rendezvous_address: str
@@ -54,7 +52,7 @@ class TransferDescriptor(_message.Message):
     page_size: int
     offload_lease_ms: int
     offload_degraded: str
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., request_generation: _Optional[int] = ..., receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., source_worker: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., offload_handoff_id: _Optional[str] = ..., offload_address: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., deadline_unix_ms: _Optional[int] = ..., recoverability: _Optional[str] = ..., page_size: _Optional[int] = ..., offload_lease_ms: _Optional[int] = ..., offload_degraded: _Optional[str] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., source_worker: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., offload_handoff_id: _Optional[str] = ..., offload_address: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., deadline_unix_ms: _Optional[int] = ..., recoverability: _Optional[str] = ..., page_size: _Optional[int] = ..., offload_lease_ms: _Optional[int] = ..., offload_degraded: _Optional[str] = ...) -> None: ...
 
 class GetTransferEndpointRequest(_message.Message):
     __slots__ = ("source_worker",)

@@ -26,7 +26,7 @@ from services.rpc.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 from services.rpc.kvrelay.v1 import decode_pb2 as kvrelay_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/prefill.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\x1a\x17kvrelay/v1/decode.proto\"\xd4\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x17\n\x0fmanifest_sha256\x18\x05 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_worker_address\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.kvrelay.v1.PrefillRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd1\x01\n\x0fPrefillResponse\x12$\n\x07receipt\x18\x01 \x01(\x0b\x32\x13.kvrelay.v1.Receipt\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x30\n\x08transfer\x18\x03 \x01(\x0b\x32\x1e.kvrelay.v1.TransferDescriptor\x12\"\n\x06ledger\x18\x04 \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t2S\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/prefill.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\x1a\x17kvrelay/v1/decode.proto\"\xd4\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x17\n\x0fmanifest_sha256\x18\x05 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_worker_address\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.kvrelay.v1.PrefillRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbf\x01\n\x0fPrefillResponse\x12$\n\x07receipt\x18\x01 \x01(\x0b\x32\x13.kvrelay.v1.Receipt\x12\x30\n\x08transfer\x18\x03 \x01(\x0b\x32\x1e.kvrelay.v1.TransferDescriptor\x12\"\n\x06ledger\x18\x04 \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\tJ\x04\x08\x02\x10\x03\x32S\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,7 +40,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_start=380
   _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_end=431
   _globals['_PREFILLRESPONSE']._serialized_start=434
-  _globals['_PREFILLRESPONSE']._serialized_end=643
-  _globals['_PREFILLWORKER']._serialized_start=645
-  _globals['_PREFILLWORKER']._serialized_end=728
+  _globals['_PREFILLRESPONSE']._serialized_end=625
+  _globals['_PREFILLWORKER']._serialized_start=627
+  _globals['_PREFILLWORKER']._serialized_end=710
 # @@protoc_insertion_point(module_scope)

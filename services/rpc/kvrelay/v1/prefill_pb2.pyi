@@ -36,17 +36,15 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., request_generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., manifest_sha256: _Optional[str] = ..., decode_worker_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("receipt", "first_token_id", "transfer", "ledger", "prefill_ms", "prefill_worker")
+    __slots__ = ("receipt", "transfer", "ledger", "prefill_ms", "prefill_worker")
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     receipt: _common_pb2.Receipt
-    first_token_id: int
     transfer: _decode_pb2.TransferDescriptor
     ledger: _common_pb2.Ledger
     prefill_ms: float
     prefill_worker: str
-    def __init__(self, receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., first_token_id: _Optional[int] = ..., transfer: _Optional[_Union[_decode_pb2.TransferDescriptor, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
+    def __init__(self, receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., transfer: _Optional[_Union[_decode_pb2.TransferDescriptor, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
