@@ -5,12 +5,17 @@ demo`), the end-to-end benchmark and tests.
     with GatewayClient("127.0.0.1:50051") as client:
         for event in client.stream(request): ...      # token events, then the summary
         result = client.generate(request)             # or collect everything
+
+    chat = chat_messages([("system", "Answer in one word."), ("user", "Capital of France?")])
+    result = client.generate(generate_request(chat, max_tokens=16))   # the checkpoint's template
+
+`ChatHistory` keeps the turns of an interactive conversation (`kvrelay chat`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -18,8 +23,15 @@ from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 
+def chat_messages(turns: Iterable[tuple[str, str]]) -> gateway_pb2.ChatMessages:
+    """A chat prompt from (role, content) pairs, oldest first; the gateway validates them."""
+    return gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role=role, content=content) for role, content in turns]
+    )
+
+
 def generate_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | gateway_pb2.ChatMessages,
     *,
     policy: str | None = None,
     manifest_sha256: str | None = None,
@@ -32,12 +44,15 @@ def generate_request(
     detokenize: bool = True,
     request_id: str = "",
 ) -> gateway_pb2.GenerateRequest:
-    """A GenerateRequest from plain values: text or token ids, a policy by name (latest
-    generation) or by sha256, and sampling (omitted entirely when every value is default, so
-    the gateway's default max_tokens applies)."""
+    """A GenerateRequest from plain values: text, token ids or chat messages, a policy by name
+    (latest generation) or by sha256, and sampling (omitted entirely when every value is
+    default, so the gateway's default max_tokens applies)."""
     request = gateway_pb2.GenerateRequest(request_id=request_id, detokenize=detokenize)
     if isinstance(prompt, str):
         request.text = prompt
+    elif isinstance(prompt, gateway_pb2.ChatMessages):
+        request.chat.SetInParent()  # an empty conversation is still a chat prompt (and invalid)
+        request.chat.MergeFrom(prompt)
     else:
         request.token_ids.ids.extend(prompt)
     if manifest_sha256:
@@ -50,6 +65,29 @@ def generate_request(
             stop_token_ids=list(stop_token_ids),
         ))
     return request
+
+
+@dataclass
+class ChatHistory:
+    """The turns of one conversation: an optional system message, then user/assistant pairs.
+    `prompt(user)` is the chat to send for a new user turn; `record` keeps the finished turn."""
+
+    system: str | None = None
+    turns: list[tuple[str, str]] = field(default_factory=list)
+
+    def prompt(self, user: str) -> gateway_pb2.ChatMessages:
+        system = [("system", self.system)] if self.system else []
+        return chat_messages([*system, *self.turns, ("user", user)])
+
+    def record(self, user: str, reply: str) -> None:
+        """Keep a finished turn. An empty reply is not kept (the gateway refuses empty
+        messages); the user's turn is, so the next turn still sees what was asked."""
+        self.turns.append(("user", user))
+        if reply.strip():
+            self.turns.append(("assistant", reply))
+
+    def reset(self) -> None:
+        self.turns.clear()
 
 
 @dataclass(frozen=True)

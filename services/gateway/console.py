@@ -1,15 +1,17 @@
 """Rich views of what the gateway and the policy service return, for `kvrelay generate`,
-`kvrelay policies` and `kvrelay demo`."""
+`kvrelay chat`, `kvrelay policies` and `kvrelay demo`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from services.gateway.client import GatewayClient
+from services.gateway.client import ChatHistory, GatewayClient, Generation
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2
@@ -45,6 +47,18 @@ def summary_table(summary: gateway_pb2.GenerateSummary, title: str = "summary") 
     for item, value in rows:
         table.add_row(item, value)
     return table
+
+
+def summary_line(summary: gateway_pb2.GenerateSummary) -> str:
+    """One line per chat turn: tokens, timings, why it stopped and the byte ledger."""
+    ledger = summary.ledger
+    return (
+        f"{summary.output_tokens} tokens ({summary.prompt_tokens} prompt)"
+        f" · ttft {summary.ttft_ms:.1f} ms · tpot {summary.tpot_ms:.1f} ms"
+        f" · {finish_label(summary.finish_reason)}"
+        f" · KV {ledger.visible_payload_bytes:,} of {ledger.full_payload_bytes:,} bytes retained"
+        f" · {summary.bytes_moved:,} bytes moved"
+    )
 
 
 def policies_table(manifests: Sequence[tuple[str, KVVisibilityPolicyManifest]]) -> Table:
@@ -93,6 +107,80 @@ def print_generation(
             console.print(piece, end="", markup=False, highlight=False)
             console.file.flush()
     raise RuntimeError(f"gateway {client.address} ended the stream without a summary")
+
+
+def stream_reply(
+    client: GatewayClient, request: gateway_pb2.GenerateRequest, console: Console
+) -> Generation:
+    """Print the reply's text as it arrives, end the line, and return everything the call sent."""
+    ids: list[int] = []
+    pieces: list[str] = []
+    for event in client.stream(request):
+        if event.HasField("summary"):
+            console.print()
+            return Generation(tuple(ids), "".join(pieces), event.summary)
+        ids.append(event.token.token_id)
+        pieces.append(event.token.text)
+        console.print(event.token.text, end="", markup=False, highlight=False, soft_wrap=True)
+        console.file.flush()
+    raise RuntimeError(f"gateway {client.address} ended the stream without a summary")
+
+
+USER_PROMPT = "you> "
+ASSISTANT_PREFIX = "assistant> "
+CHAT_HELP = "type a message; /reset clears the conversation, /exit (or end of input) quits"
+
+
+def chat_loop(
+    client: GatewayClient,
+    history: ChatHistory,
+    make_request: Callable[[gateway_pb2.ChatMessages], gateway_pb2.GenerateRequest],
+    console: Console,
+    *,
+    summary: bool = False,
+    read_line: Callable[[str], str] = input,
+) -> None:
+    """`kvrelay chat`: read user turns until end of input or `/exit`, stream each reply and
+    keep the conversation in `history`; `/reset` clears it. A failed turn is reported and not
+    kept, so the conversation goes on."""
+    console.print(f"[dim]{CHAT_HELP}[/dim]")
+    while True:
+        try:
+            user = read_line(USER_PROMPT).strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if user == "/exit":
+            return
+        if user == "/reset":
+            history.reset()
+            console.print("[dim](conversation cleared)[/dim]")
+        elif user:
+            _chat_turn(client, history, user, make_request(history.prompt(user)), console, summary)
+
+
+def _chat_turn(
+    client: GatewayClient,
+    history: ChatHistory,
+    user: str,
+    request: gateway_pb2.GenerateRequest,
+    console: Console,
+    summary: bool,
+) -> None:
+    console.print(ASSISTANT_PREFIX, end="", markup=False, highlight=False)
+    try:
+        reply = stream_reply(client, request, console)
+    except grpc.RpcError as exc:
+        console.print(f"\n[red]{exc.code().name}[/red]: {escape(exc.details() or '')} "
+                      "[dim](turn not kept; /reset if the conversation no longer fits)[/dim]")
+        return
+    except KeyboardInterrupt:  # leaving the stream cancelled the call
+        console.print("\n[dim](reply interrupted, turn not kept)[/dim]")
+        return
+    history.record(user, reply.text)
+    if summary:
+        line = f"[{summary_line(reply.summary)}]"
+        console.print(line, style="dim", markup=False, highlight=False, soft_wrap=True)
 
 
 async def registered_policies(

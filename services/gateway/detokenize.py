@@ -4,7 +4,10 @@ Decoding a growing id list from scratch is quadratic, and decoding one id at a t
 the spaces and multi-byte characters that depend on neighbours. Like vLLM's detokenizer,
 this decodes a short window `ids[prefix:]` and emits what it adds beyond `ids[prefix:read]`,
 holding text back while it ends in an incomplete character (U+FFFD). The deltas of a stream
-concatenate to the decoding of all its ids.
+concatenate to the decoding of all its ids, and carry no U+FFFD unless that decoding does
+(bytes that are no UTF-8: an unrepresentable input character, or a model writing lone
+continuation bytes). The one difference: replacement characters at the very end of a stream
+stay held back, as a character that never completed.
 """
 
 from __future__ import annotations

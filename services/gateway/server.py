@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -25,15 +24,9 @@ from services.gateway.policies import ManifestResolver, register_defaults
 from services.gateway.service import SERVICE_NAME, GatewayServicer
 from services.gateway.validation import RequestLimits
 from services.kvpolicy.manifest import TensorContract
-from services.model.config import (
-    ModelConfig,
-    make_tensor_contract,
-    parse_model_config,
-    resolve_dtype,
-)
-from services.model.errors import MissingCheckpointFile
-from services.model.loader import CONFIG_FILE
-from services.model.tokenizer import TOKENIZER_FILE, TextTokenizer
+from services.model.config import ModelConfig, make_tensor_contract, resolve_dtype
+from services.model.loader import read_checkpoint
+from services.model.tokenizer import TextTokenizer
 from services.policy import PolicyClient, PolicyClientConfig, PolicyUnavailable
 from services.rpc.kvrelay.v1 import gateway_pb2_grpc
 from services.rpc.readiness import ReadinessCheck
@@ -52,14 +45,12 @@ class ServedModel:
 
     @classmethod
     def read(cls, checkpoint: Path, dtype: str | None) -> ServedModel:
-        """config.json and tokenizer.json of `checkpoint`; `dtype` is the workers' K/V dtype."""
-        config_path = checkpoint / CONFIG_FILE
-        if not config_path.is_file():
-            raise MissingCheckpointFile(config_path)
-        config = parse_model_config(json.loads(config_path.read_text()))
-        tokenizer = TextTokenizer.from_file(checkpoint / TOKENIZER_FILE)
+        """Config and tokenizer of `checkpoint` (HF directory or `.gguf` file, no weights);
+        `dtype` is the workers' K/V dtype."""
+        info = read_checkpoint(checkpoint)
+        config = info.config
         contract = make_tensor_contract(config, resolve_dtype(dtype, config.checkpoint_dtype))
-        return cls(tokenizer, config, contract)
+        return cls(info.require_tokenizer(), config, contract)
 
     def limits(self, config: GatewayConfig) -> RequestLimits:
         context = self.config.max_position_embeddings
@@ -112,7 +103,7 @@ class GatewayServer:
                                     config.event_timeout_s, config.policy_timeout_s),
                 max_retries=config.max_retries,
             )
-            servicer = GatewayServicer(served.limits(config), served.tokenizer.encode, orchestrator)
+            servicer = GatewayServicer(served.limits(config), served.tokenizer, orchestrator)
             binding = ServiceBinding(SERVICE_NAME, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
             rpc = await start_server(config.server, [binding], readiness_checks(policy, *pools))
         except BaseException:

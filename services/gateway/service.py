@@ -1,6 +1,7 @@
 """The Gateway servicer: a thin adapter from the wire request to the orchestrator.
 
-`Generate` validates every field first (INVALID_ARGUMENT naming it), then streams what the
+`Generate` validates every field first (INVALID_ARGUMENT naming it; a text prompt is
+tokenized and a chat rendered with the checkpoint's template), then streams what the
 orchestrator yields; typed errors become status codes in `services.rpc.errors`. The call's
 server span is the root of the request's trace: it carries the request id and the summary
 (whose `trace_id` names the trace to open in Jaeger), and TTFT/TPOT land in the metrics.
@@ -9,13 +10,13 @@ server span is the root of the request's trace: it carries the request id and th
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.validation import RequestLimits, validate_request
+from services.gateway.validation import PromptTokenizer, RequestLimits, validate_request
 from services.rpc.errors import maps_errors
 from services.rpc.kvrelay.v1 import gateway_pb2, gateway_pb2_grpc
 from services.telemetry import metrics
@@ -29,16 +30,18 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Implements kvrelay.v1.Gateway."""
 
-    def __init__(self, limits: RequestLimits, encode: Callable[[str], list[int]], orchestrator: Orchestrator) -> None:
+    def __init__(
+        self, limits: RequestLimits, tokenizer: PromptTokenizer, orchestrator: Orchestrator
+    ) -> None:
         self.limits = limits
-        self.encode = encode
+        self.tokenizer = tokenizer
         self.orchestrator = orchestrator
 
     @maps_errors
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
-        generation = validate_request(request, self.limits, self.encode)
+        generation = validate_request(request, self.limits, self.tokenizer)
         annotate(request_id=generation.request_id, prompt_tokens=len(generation.prompt_ids))
         with bound_request_id(generation.request_id), metrics.GATEWAY_IN_FLIGHT.track_inprogress():
             async for event in self.orchestrator.generate(generation):

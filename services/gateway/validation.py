@@ -1,25 +1,61 @@
 """Validation of a client's `GenerateRequest`: one pure function from the wire message to a
 `GenerationInput`, raising `InvalidArgument` that names the offending field (the proto's
-field path, e.g. `sampling.top_p` or `token_ids.ids[3]`). Nothing reaches a worker before
-every field passed."""
+field path, e.g. `sampling.top_p`, `token_ids.ids[3]` or `chat.messages[2].role`). Nothing
+reaches a worker before every field passed. Sampling is the runtime's one type
+(`services.model.sampler.SamplingParams`) checked with its one rule set (`check_sampling`), the
+same function the prefill and decode workers re-check it with.
+
+A chat prompt is rendered with the served checkpoint's chat template (ending with the prompt
+of an assistant turn) and tokenized as transformers' `apply_chat_template(tokenize=True)`
+does; its request also stops at the template's end-of-turn tokens (ChatML's `<|im_end|>`),
+besides the model's EOS ids the decode worker always stops at."""
 
 from __future__ import annotations
 
-import math
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import grpc
 
 from services.policy.types import MAX_GENERATION, check_request_id
-from services.rpc.errors import InvalidArgument, reject_unknown_fields
+from services.rpc.errors import InvalidArgument, ServiceError, reject_unknown_fields
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2
+
+if TYPE_CHECKING:
+    from services.model.sampler import SamplingParams
+    from services.model.tokenizer import ChatMessage
 
 # The manifest name rule of services.kvpolicy.manifest.
 _POLICY_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Text is rejected before tokenizing when it could not fit even at this many characters per token.
 _MAX_CHARS_PER_TOKEN = 64
+
+
+class PromptTokenizer(Protocol):
+    """What validation needs of the served checkpoint's tokenizer (`TextTokenizer` is one)."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    def end_of_turn_ids(self) -> tuple[int, ...]: ...
+
+
+class ChatUnsupported(ServiceError):
+    """A well-formed chat request to a checkpoint without a chat template: the deployment,
+    not the request, lacks what rendering needs (FAILED_PRECONDITION, field `chat`)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = common_pb2.ERROR_REASON_REQUEST_INVALID
 
 
 @dataclass(frozen=True)
@@ -31,7 +67,7 @@ class RequestLimits:
     max_prompt_tokens: int
     max_tokens_limit: int
     default_max_tokens: int
-    max_stop_token_ids: int = 64
+    max_chat_messages: int = 256
 
     def __post_init__(self) -> None:
         if not 0 < self.max_prompt_tokens < self.context_length:
@@ -41,25 +77,8 @@ class RequestLimits:
             )
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens: must be in (0, max_tokens_limit]")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Validated sampling parameters, in the proto's conventions (temperature 0 = greedy,
-    top_k 0 and top_p 0 or 1 disable those filters, seed 0 = the default stream)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-
-    def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids),
-        )
+        if self.max_chat_messages <= 0:
+            raise ValueError(f"max_chat_messages: {self.max_chat_messages} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -78,11 +97,12 @@ class ManifestChoice:
 
 @dataclass(frozen=True)
 class GenerationInput:
-    """A request that passed validation."""
+    """A request that passed validation. `max_tokens` counts every output token."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
-    sampling: Sampling
+    sampling: SamplingParams
+    max_tokens: int
     manifest: ManifestChoice
     detokenize: bool
 
@@ -90,31 +110,36 @@ class GenerationInput:
 def validate_request(
     request: gateway_pb2.GenerateRequest,
     limits: RequestLimits,
-    encode: Callable[[str], list[int]],
+    tokenizer: PromptTokenizer,
     new_request_id: Callable[[], str] = lambda: f"gen-{uuid.uuid4().hex}",
 ) -> GenerationInput:
-    """Check every field of `request`; `encode` tokenizes a text prompt."""
+    """Check every field of `request`; `tokenizer` tokenizes a text prompt and renders a chat."""
     reject_unknown_fields(request)
     request_id = request.request_id or new_request_id()
     check_request_id(request_id)
-    prompt = _prompt(request, limits, encode)
+    prompt = _prompt(request, limits, tokenizer)
+    end_of_turn = tokenizer.end_of_turn_ids() if request.WhichOneof("prompt") == "chat" else ()
+    sampling, max_tokens = _sampling(request, limits, len(prompt), end_of_turn)
     return GenerationInput(
         request_id=request_id,
         prompt_ids=prompt,
-        sampling=_sampling(request, limits, len(prompt)),
+        sampling=sampling,
+        max_tokens=max_tokens,
         manifest=_manifest(request),
         detokenize=request.detokenize,
     )
 
 
 def _prompt(
-    request: gateway_pb2.GenerateRequest, limits: RequestLimits, encode: Callable[[str], list[int]]
+    request: gateway_pb2.GenerateRequest, limits: RequestLimits, tokenizer: PromptTokenizer
 ) -> tuple[int, ...]:
     kind = request.WhichOneof("prompt")
     if kind is None:
-        raise InvalidArgument("set either text or token_ids", field="prompt")
+        raise InvalidArgument("set one of text, token_ids or chat", field="prompt")
     if kind == "text":
-        ids, field = _encode_text(request.text, limits, encode), "text"
+        ids, field = _encode_text(request.text, limits, tokenizer), "text"
+    elif kind == "chat":
+        ids, field = _encode_chat(request.chat, limits, tokenizer), "chat"
     else:
         ids, field = tuple(request.token_ids.ids), "token_ids.ids"
         if not ids:
@@ -127,15 +152,60 @@ def _prompt(
     return ids
 
 
-def _encode_text(text: str, limits: RequestLimits, encode: Callable[[str], list[int]]) -> tuple[int, ...]:
+def _encode_text(text: str, limits: RequestLimits, tokenizer: PromptTokenizer) -> tuple[int, ...]:
     if not text.strip():
         raise InvalidArgument("must not be empty", field="text")
-    if len(text) > limits.max_prompt_tokens * _MAX_CHARS_PER_TOKEN:
-        raise InvalidArgument(
-            f"{len(text)} characters cannot fit the model maximum of {limits.max_prompt_tokens} tokens",
-            field="text",
+    _check_characters(len(text), limits, "text")
+    return tuple(tokenizer.encode(text))
+
+
+def _encode_chat(
+    chat: gateway_pb2.ChatMessages, limits: RequestLimits, tokenizer: PromptTokenizer
+) -> tuple[int, ...]:
+    # Imported here: the `services.model` package imports torch, and `services.gateway`
+    # (whose __init__ imports this module) must stay light for the CLI's client.
+    from services.model.tokenizer import ChatTemplateError
+
+    messages = _chat_messages(chat, limits)
+    if tokenizer.chat_template is None:
+        raise ChatUnsupported(
+            "the served checkpoint has no chat template; send text or token_ids", field="chat"
         )
-    return tuple(encode(text))
+    try:
+        return tuple(tokenizer.encode_chat(messages))
+    except ChatTemplateError as error:  # e.g. a template that raise_exception()s on role order
+        reason = f"the chat template rejected these messages: {error.reason}"
+        raise InvalidArgument(reason, field="chat") from error
+
+
+def _chat_messages(
+    chat: gateway_pb2.ChatMessages, limits: RequestLimits
+) -> tuple[ChatMessage, ...]:
+    from services.model.tokenizer import CHAT_ROLES, ChatMessage  # see _encode_chat
+
+    field = "chat.messages"
+    if not chat.messages:
+        raise InvalidArgument("must hold at least one message", field=field)
+    if len(chat.messages) > limits.max_chat_messages:
+        count, limit = len(chat.messages), limits.max_chat_messages
+        raise InvalidArgument(f"{count} messages exceeds the limit of {limit}", field=field)
+    for index, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(f"{message.role!r} is not one of {', '.join(CHAT_ROLES)}",
+                                  field=f"{field}[{index}].role")
+        if not message.content.strip():
+            raise InvalidArgument("must not be empty", field=f"{field}[{index}].content")
+    _check_characters(sum(len(message.content) for message in chat.messages), limits, field)
+    return tuple(ChatMessage(message.role, message.content) for message in chat.messages)
+
+
+def _check_characters(characters: int, limits: RequestLimits, field: str) -> None:
+    if characters > limits.max_prompt_tokens * _MAX_CHARS_PER_TOKEN:
+        raise InvalidArgument(
+            f"{characters} characters cannot fit the model maximum of "
+            f"{limits.max_prompt_tokens} tokens",
+            field=field,
+        )
 
 
 def _check_token_ids(ids: tuple[int, ...], vocab_size: int, field: str) -> None:
@@ -144,36 +214,39 @@ def _check_token_ids(ids: tuple[int, ...], vocab_size: int, field: str) -> None:
             raise InvalidArgument(f"{token} is not a token id in [0, {vocab_size})", field=f"{field}[{index}]")
 
 
-def _sampling(request: gateway_pb2.GenerateRequest, limits: RequestLimits, prompt_len: int) -> Sampling:
-    if not request.HasField("sampling"):
-        return Sampling(max_tokens=min(limits.default_max_tokens, limits.context_length - prompt_len))
-    wire = request.sampling
-    if not math.isfinite(wire.temperature) or wire.temperature < 0:
-        raise InvalidArgument(f"{wire.temperature} must be finite and >= 0 (0 = greedy)", field="sampling.temperature")
-    if wire.top_k < 0:
-        raise InvalidArgument(f"{wire.top_k} must be >= 0 (0 disables top-k)", field="sampling.top_k")
-    if not math.isfinite(wire.top_p) or not 0.0 <= wire.top_p <= 1.0:
-        raise InvalidArgument(f"{wire.top_p} is not in [0, 1] (0 or 1 disables top-p)", field="sampling.top_p")
-    _check_max_tokens(wire.max_tokens, limits, prompt_len)
-    stops = tuple(wire.stop_token_ids)
-    if len(stops) > limits.max_stop_token_ids:
-        raise InvalidArgument(f"{len(stops)} ids exceeds the limit of {limits.max_stop_token_ids}",
-                              field="sampling.stop_token_ids")
-    _check_token_ids(stops, limits.vocab_size, "sampling.stop_token_ids")
-    return Sampling(wire.max_tokens, wire.temperature, wire.top_k, wire.top_p, wire.seed, stops)
+def _sampling(
+    request: gateway_pb2.GenerateRequest,
+    limits: RequestLimits,
+    prompt_len: int,
+    end_of_turn: Sequence[int],
+) -> tuple[SamplingParams, int]:
+    """The request's sampling and max_tokens; `end_of_turn` ids join its stop ids (after the
+    client's own), and the stop ids the workers get are the ones checked."""
+    # Imported here, as in _encode_chat: `services.model` imports torch.
+    from dataclasses import replace
 
+    from services.model.errors import InvalidModelInput
+    from services.model.sampler import SamplingLimits, SamplingParams, check_sampling
+    from services.transfer.codec import sampling_from_proto
 
-def _check_max_tokens(max_tokens: int, limits: RequestLimits, prompt_len: int) -> None:
-    field = "sampling.max_tokens"
-    if max_tokens <= 0:
-        raise InvalidArgument(f"{max_tokens} must be > 0", field=field)
-    if max_tokens > limits.max_tokens_limit:
-        raise InvalidArgument(f"{max_tokens} exceeds the limit of {limits.max_tokens_limit}", field=field)
-    if prompt_len + max_tokens > limits.context_length:
-        raise InvalidArgument(
-            f"prompt {prompt_len} + {max_tokens} tokens exceeds the model context of {limits.context_length}",
-            field=field,
-        )
+    room = limits.context_length - prompt_len
+    bounds = SamplingLimits(limits.vocab_size, max_tokens=min(limits.max_tokens_limit, room))
+    try:
+        if request.HasField("sampling"):
+            params, max_tokens = sampling_from_proto(request.sampling)
+        else:
+            params, max_tokens = SamplingParams(), min(limits.default_max_tokens, room)
+        stops = params.stop_token_ids
+        turn_ends = tuple(t for t in dict.fromkeys(end_of_turn) if t not in stops)
+        params = replace(params, stop_token_ids=stops + turn_ends)
+        check_sampling(params, max_tokens, bounds)
+    except InvalidModelInput as exc:
+        reason = exc.reason
+        if exc.field == "sampling.max_tokens":
+            reason += (f" (the limit is {limits.max_tokens_limit}; a prompt of {prompt_len} tokens leaves"
+                       f" {room} of the model's {limits.context_length})")
+        raise InvalidArgument(reason, field=exc.field) from exc
+    return params, max_tokens
 
 
 def _manifest(request: gateway_pb2.GenerateRequest) -> ManifestChoice:

@@ -4,6 +4,7 @@ requests come out as a typed GenerationInput with defaults filled in."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -11,20 +12,23 @@ from services.gateway.validation import (
     GenerationInput,
     ManifestChoice,
     RequestLimits,
-    Sampling,
     validate_request,
 )
+from services.model import needle
+from services.model.sampler import SamplingParams
+from services.model.tokenizer import TextTokenizer
 from services.rpc.errors import InvalidArgument
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2
+from services.transfer.codec import sampling_to_proto
 
 LIMITS = RequestLimits(vocab_size=50, context_length=64, max_prompt_tokens=40, max_tokens_limit=32,
                        default_max_tokens=16)
 SHA = "ab" * 32
 
 
-def encode(text: str) -> list[int]:
-    """One id per word: its length (so every id is < 50 for these tests)."""
-    return [1, *(len(word) for word in text.split())]
+# The needle vocabulary: BOS, then one id per word (words it lacks are <unk> = 3, so every id
+# of these tests' texts is < 50).
+TOKENIZER = TextTokenizer(backend=needle.build_tokenizer(), path=Path("needle/tokenizer.json"))
 
 
 def valid(**overrides: object) -> gateway_pb2.GenerateRequest:
@@ -34,7 +38,7 @@ def valid(**overrides: object) -> gateway_pb2.GenerateRequest:
 
 
 def check(request: gateway_pb2.GenerateRequest) -> GenerationInput:
-    return validate_request(request, LIMITS, encode, new_request_id=lambda: "assigned-1")
+    return validate_request(request, LIMITS, TOKENIZER, new_request_id=lambda: "assigned-1")
 
 
 def sampling(**fields: object) -> common_pb2.SamplingParams:
@@ -42,11 +46,12 @@ def sampling(**fields: object) -> common_pb2.SamplingParams:
 
 
 def test_text_prompt_is_tokenized_and_defaults_fill_in() -> None:
-    result = check(gateway_pb2.GenerateRequest(text="a bb ccc", detokenize=True))
+    result = check(gateway_pb2.GenerateRequest(text="the code of bb", detokenize=True))
     assert result == GenerationInput(
         request_id="assigned-1",
-        prompt_ids=(1, 1, 2, 3),
-        sampling=Sampling(max_tokens=16),
+        prompt_ids=(1, 4, 5, 6, 3),
+        sampling=SamplingParams(),
+        max_tokens=16,
         manifest=ManifestChoice(),
         detokenize=True,
     )
@@ -57,18 +62,20 @@ def test_sampling_and_manifest_selectors_pass_through() -> None:
     request = valid(sampling=sampling(temperature=0.7, top_k=5, top_p=0.9, seed=11, stop_token_ids=[4, 49]),
                     manifest=by_name)
     result = check(request)
-    assert result.sampling == Sampling(4, pytest.approx(0.7), 5, pytest.approx(0.9), 11, (4, 49))
+    sampled = result.sampling
+    assert (sampled.temperature, sampled.top_p) == (pytest.approx(0.7), pytest.approx(0.9))
+    assert (sampled.top_k, sampled.seed, sampled.stop_token_ids, result.max_tokens) == (5, 11, (4, 49), 4)
     assert result.manifest == ManifestChoice(name="snapkv-pyramid", policy_generation=2)
     assert check(valid(manifest=common_pb2.ManifestSelector(sha256=SHA))).manifest == ManifestChoice(sha256=SHA)
-    assert result.sampling.to_proto().stop_token_ids == [4, 49]
+    assert sampling_to_proto(result.sampling, result.max_tokens).stop_token_ids == [4, 49]
 
 
 def test_default_max_tokens_shrinks_to_the_context_left() -> None:
     result = check(valid(token_ids=gateway_pb2.TokenIds(ids=[1] * 40)))
-    assert result.sampling.max_tokens == 16
+    assert result.max_tokens == 16
     tight = RequestLimits(vocab_size=50, context_length=44, max_prompt_tokens=40, max_tokens_limit=32,
                           default_max_tokens=16)
-    assert validate_request(valid(token_ids=gateway_pb2.TokenIds(ids=[1] * 40)), tight, encode).sampling.max_tokens == 4
+    assert validate_request(valid(token_ids=gateway_pb2.TokenIds(ids=[1] * 40)), tight, TOKENIZER).max_tokens == 4
 
 
 BAD: list[tuple[str, gateway_pb2.GenerateRequest, str]] = [

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.rpc.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/gateway.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12.\n\x08manifest\x18\x05 \x01(\x0b\x32\x1c.kvrelay.v1.ManifestSelector\x12\x12\n\ndetokenize\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"q\n\rGenerateEvent\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.TokenEventH\x00\x12.\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.kvrelay.v1.GenerateSummaryH\x00\x42\x07\n\x05\x65vent\"\xbe\x03\n\x0fGenerateSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\routput_tokens\x18\x05 \x01(\x05\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\t\x12,\n\x0bgenerations\x18\x08 \x01(\x0b\x32\x17.kvrelay.v1.Generations\x12\x15\n\rretained_rows\x18\t \x01(\x03\x12\x14\n\x0comitted_rows\x18\n \x01(\x03\x12\x15\n\rrecalled_rows\x18\x0b \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x0c \x01(\x03\x12\"\n\x06ledger\x18\r \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x11\n\tfallbacks\x18\x0e \x03(\t\x12\x10\n\x08trace_id\x18\x0f \x01(\t\x12\x16\n\x0eprefill_worker\x18\x10 \x01(\t\x12\x15\n\rdecode_worker\x18\x11 \x01(\t2O\n\x07Gateway\x12\x44\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x19.kvrelay.v1.GenerateEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/gateway.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12.\n\x08manifest\x18\x05 \x01(\x0b\x32\x1c.kvrelay.v1.ManifestSelector\x12\x12\n\ndetokenize\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"q\n\rGenerateEvent\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.TokenEventH\x00\x12.\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.kvrelay.v1.GenerateSummaryH\x00\x42\x07\n\x05\x65vent\"\xbe\x03\n\x0fGenerateSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\routput_tokens\x18\x05 \x01(\x05\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\t\x12,\n\x0bgenerations\x18\x08 \x01(\x0b\x32\x17.kvrelay.v1.Generations\x12\x15\n\rretained_rows\x18\t \x01(\x03\x12\x14\n\x0comitted_rows\x18\n \x01(\x03\x12\x15\n\rrecalled_rows\x18\x0b \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x0c \x01(\x03\x12\"\n\x06ledger\x18\r \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x11\n\tfallbacks\x18\x0e \x03(\t\x12\x10\n\x08trace_id\x18\x0f \x01(\t\x12\x16\n\x0eprefill_worker\x18\x10 \x01(\t\x12\x15\n\rdecode_worker\x18\x11 \x01(\t2O\n\x07Gateway\x12\x44\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x19.kvrelay.v1.GenerateEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIDS']._serialized_start=65
   _globals['_TOKENIDS']._serialized_end=88
-  _globals['_GENERATEREQUEST']._serialized_start=91
-  _globals['_GENERATEREQUEST']._serialized_end=311
-  _globals['_GENERATEEVENT']._serialized_start=313
-  _globals['_GENERATEEVENT']._serialized_end=426
-  _globals['_GENERATESUMMARY']._serialized_start=429
-  _globals['_GENERATESUMMARY']._serialized_end=875
-  _globals['_GATEWAY']._serialized_start=877
-  _globals['_GATEWAY']._serialized_end=956
+  _globals['_CHATMESSAGE']._serialized_start=90
+  _globals['_CHATMESSAGE']._serialized_end=134
+  _globals['_CHATMESSAGES']._serialized_start=136
+  _globals['_CHATMESSAGES']._serialized_end=193
+  _globals['_GENERATEREQUEST']._serialized_start=196
+  _globals['_GENERATEREQUEST']._serialized_end=458
+  _globals['_GENERATEEVENT']._serialized_start=460
+  _globals['_GENERATEEVENT']._serialized_end=573
+  _globals['_GENERATESUMMARY']._serialized_start=576
+  _globals['_GENERATESUMMARY']._serialized_end=1022
+  _globals['_GATEWAY']._serialized_start=1024
+  _globals['_GATEWAY']._serialized_end=1103
 # @@protoc_insertion_point(module_scope)
