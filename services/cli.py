@@ -8,25 +8,40 @@ from pathlib import Path
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvrelay: disaggregated LLM serving with versioned KV-cache policies.")
+DEFAULT_MODEL_HELP = "default: the bundled SmolLM2-135M-Instruct GGUF"
+
+
+def served_checkpoint(checkpoint: Path | None) -> Path:
+    """`checkpoint`, or the default model (services.model.default); without it, exit 1 with the
+    command that installs it."""
+    if checkpoint is not None:
+        return checkpoint
+    from services.model.default import DefaultModelMissing, default_checkpoint
+
+    try:
+        return default_checkpoint()
+    except DefaultModelMissing as exc:
+        typer.echo(f"kvrelay: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
 def demo(
     core: bool = typer.Option(False, "--core", help="Only the policy core on a synthetic prompt (no model, no services)."),
-    checkpoint: Path | None = typer.Option(None, help="Checkpoint to serve (default: the bundled demo checkpoint)."),
-    context_tokens: int = typer.Option(1024, help="Prompt length of the needle question."),
+    checkpoint: Path | None = typer.Option(None, help=f"Checkpoint to serve: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
+    context_tokens: int = typer.Option(3000, help="Tokens of real text (the Python language reference) around the needle."),
 ) -> None:
-    """Start the local stack, ask one needle question under policies full and snapkv, print both answers and the ledger."""
+    """Start the local stack, ask one question hidden in a long text under full, snapkv and snapkv-recall; print answers, TTFT/TPOT and the byte ledger."""
     if core:
         from services.kvpolicy.demo import run_demo
 
         run_demo()
         return
     from services.launcher.demo import run_stack_demo
-    from services.launcher.stack import DEMO_CHECKPOINT, StackError
+    from services.launcher.stack import StackError
 
     try:
-        run_stack_demo(checkpoint or DEMO_CHECKPOINT, context_tokens=context_tokens)
+        run_stack_demo(served_checkpoint(checkpoint), context_tokens=context_tokens)
     except StackError as exc:
         typer.echo(f"kvrelay demo: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -42,7 +57,7 @@ def policy_demo() -> None:
 
 @app.command()
 def up(
-    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help="Checkpoint to serve (default: the bundled demo checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint to serve: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="Workers' dtype (default: the checkpoint's)."),
     prefill: int = typer.Option(1, help="Prefill workers (ports 50062, 50072, ...)."),
     decode: int = typer.Option(1, help="Decode workers (ports 50063/50064, 50073/50074, ...)."),
@@ -53,11 +68,11 @@ def up(
     metrics_base_port: int = typer.Option(9091, help="Gateway /metrics port; policy +1, prefill +2, decode +3, extra workers +10 each (0: metrics off)."),
 ) -> None:
     """Run a full local deployment on this machine: policy service (+ embedded Redis), prefill, decode, gateway."""
-    from services.launcher.stack import DEMO_CHECKPOINT, StackConfig
+    from services.launcher.stack import StackConfig
     from services.launcher.up import run_up
 
     config = StackConfig.with_counts(
-        checkpoint or DEMO_CHECKPOINT, prefill=prefill, decode=decode, base_port=base_port, dtype=dtype,
+        served_checkpoint(checkpoint), prefill=prefill, decode=decode, base_port=base_port, dtype=dtype,
         threads=threads, redis_url=redis_url, log_dir=log_dir, metrics_base_port=metrics_base_port,
     )
     raise typer.Exit(run_up(config))
@@ -73,6 +88,8 @@ def generate(
     top_p: float = typer.Option(0.0, help="0 or 1 disables nucleus filtering."),
     seed: int = typer.Option(0),
     stream: bool = typer.Option(False, "--stream", help="Print tokens as they arrive."),
+    chat: bool = typer.Option(False, "--chat", help="Send the prompt as a user message through the checkpoint's chat template."),
+    system: str | None = typer.Option(None, help="System message of the chat (implies --chat)."),
     gateway: str = typer.Option("127.0.0.1:50051", envvar="KVRELAY_GATEWAY_ADDRESS", help="host:port of the gateway."),
     timeout_s: float = typer.Option(300.0, help="Deadline of the whole call."),
 ) -> None:
@@ -80,11 +97,12 @@ def generate(
     import grpc
     from rich.console import Console
 
-    from services.gateway.client import GatewayClient, generate_request
+    from services.gateway.client import ChatHistory, GatewayClient, generate_request
     from services.gateway.console import print_generation
 
-    request = generate_request(prompt, policy=policy, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed)
+    text_or_chat = ChatHistory(system).prompt(prompt) if chat or system is not None else prompt
+    request = generate_request(text_or_chat, policy=policy, max_tokens=max_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed)
     console = Console()
     try:
         with GatewayClient(gateway, timeout_s=timeout_s) as client:
@@ -92,6 +110,34 @@ def generate(
     except grpc.RpcError as exc:
         console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
         raise typer.Exit(1) from None
+
+
+@app.command("chat")
+def chat_command(
+    system: str | None = typer.Option(None, help="System message at the start of the conversation."),
+    policy: str | None = typer.Option(None, help="Policy name (default: the gateway's default policy)."),
+    max_tokens: int | None = typer.Option(None, help="Output tokens per reply (default: the gateway's default)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(0.0, help="0 or 1 disables nucleus filtering."),
+    seed: int = typer.Option(0),
+    summary: bool = typer.Option(False, "--summary", help="After each reply, a line with tokens, TTFT/TPOT and the byte ledger."),
+    gateway: str = typer.Option("127.0.0.1:50051", envvar="KVRELAY_GATEWAY_ADDRESS", help="host:port of the gateway."),
+    timeout_s: float = typer.Option(300.0, help="Deadline of each reply."),
+) -> None:
+    """Chat with the served model: reads turns from stdin, streams each reply; /reset, /exit."""
+    from rich.console import Console
+
+    from services.gateway.client import ChatHistory, GatewayClient, generate_request
+    from services.gateway.console import chat_loop
+    from services.rpc.kvrelay.v1 import gateway_pb2
+
+    def make_request(messages: gateway_pb2.ChatMessages) -> gateway_pb2.GenerateRequest:
+        return generate_request(messages, policy=policy, max_tokens=max_tokens, temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed)
+
+    with GatewayClient(gateway, timeout_s=timeout_s) as client:
+        chat_loop(client, ChatHistory(system), make_request, Console(), summary=summary)
 
 
 @app.command()
@@ -151,6 +197,24 @@ def eval_checkpoint(
 
 
 @app.command()
+def convert(
+    gguf: Path = typer.Argument(..., help="A llama.cpp .gguf file (llama or qwen2)."),
+    out_dir: Path = typer.Argument(..., help="Directory to write the HF checkpoint into (created)."),
+    dtype: str = typer.Option("float32", help="Stored weight dtype: float32 (exact dequantized values) / bfloat16 / float16."),
+) -> None:
+    """Write an HF safetensors directory (config, weights, tokenizer, chat template) from a GGUF file."""
+    from services.model.errors import ModelError
+    from services.model.gguf_convert import convert_gguf
+
+    try:
+        out = convert_gguf(gguf, out_dir, dtype)
+    except ModelError as exc:
+        typer.echo(f"{type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote {out}")
+
+
+@app.command()
 def codegen(check: bool = typer.Option(False, help="Only verify that the committed stubs are current.")) -> None:
     """Regenerate services/rpc/kvrelay/v1 from proto/ (the only schema)."""
     from services.rpc.codegen import main
@@ -175,14 +239,21 @@ def eval_main(
     prompts_per_cell: int | None = typer.Option(None, help="Prompts per (length, placement, depth); default: the preset's."),
     threads: int = typer.Option(1, help="torch CPU threads."),
     kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="Also compare SnapKV's kept rows with kvpress's SnapKVPress (needs kvpress)."),
+    suite: str = typer.Option("needle", help="needle (the demo checkpoint's needle language) or ruler (RULER-style tasks on a real model, kvpress side by side; checkpoint " + DEFAULT_MODEL_HELP + ")."),
+    resume: bool = typer.Option(False, "--resume", help="ruler: keep --out's results.jsonl and skip the trials it holds."),
 ) -> None:
-    """Needle retrieval per policy (budgets x allocations x GQA reductions x placements, baselines), heat maps, kvpress agreement."""
+    """Needle retrieval per policy (budgets x allocations x GQA reductions x placements, baselines), heat maps, kvpress agreement; --suite ruler: RULER-style tasks at 1K-8K."""
     if ctx.invoked_subcommand is not None:
         return
     from services.evaluation.needs import MissingDependency
     from services.evaluation.quality import PRESETS, EvalOptions, run_eval
     from services.model.train_demo import DEMO_CHECKPOINT
 
+    if suite not in ("needle", "ruler"):
+        raise typer.BadParameter("must be needle or ruler", param_hint="--suite")
+    if suite == "ruler":
+        _eval_ruler(served_checkpoint(checkpoint), out, preset, threads, kvpress, resume)
+        return
     if preset not in PRESETS:
         raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
     options = EvalOptions(checkpoint=checkpoint or DEMO_CHECKPOINT, out=out, preset=preset,
@@ -195,19 +266,54 @@ def eval_main(
         raise typer.Exit(1) from None
 
 
+def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress: bool, resume: bool) -> None:
+    """`kvrelay eval --suite ruler`."""
+    from services.evaluation.needs import MissingDependency
+    from services.evaluation.ruler_suite import PRESETS, SuiteOptions, run_suite
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    try:
+        run_suite(SuiteOptions(checkpoint, out, preset, threads, kvpress, resume))
+    except MissingDependency as exc:
+        hint = " (or run with --no-kvpress)" if exc.package == "kvpress" else ""
+        typer.echo(f"kvrelay eval: {exc}{hint}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def calibrate(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint directory; headkv_profile.safetensors is written beside it."),
-    lengths: str = typer.Option("512,1024,2048", help="Comma-separated context lengths in tokens."),
-    prompts: int = typer.Option(16, help="Needle prompts per context length and question placement."),
-    seed: int = typer.Option(9_000_000, help="Seed of the calibration prompts."),
+    checkpoint: Path = typer.Argument(..., help="Checkpoint: an HF directory (the profile goes inside) or a .gguf file (<file>.headkv_profile.safetensors beside it)."),
+    method: str = typer.Option("auto", help="needle (the demo checkpoint's language), ruler (RULER needles, real tokenizers) or auto (by the tokenizer)."),
+    lengths: str | None = typer.Option(None, help="Comma-separated context lengths in tokens (default: needle 512,1024,2048; ruler 1024,2048)."),
+    prompts: int | None = typer.Option(None, help="Prompts per length and placement (needle, default 16) or per length, task and placement (ruler, default 6)."),
+    seed: int | None = typer.Option(None, help="Seed of the calibration prompts (default: needle 9000000, ruler 30000000)."),
+    out: Path | None = typer.Option(None, help="Write the profile here instead of beside the checkpoint."),
     threads: int = typer.Option(1, help="torch CPU threads."),
 ) -> None:
     """HeadKV retrieval-head scores per (layer, K/V head), written beside the checkpoint; prints the profile's sha256."""
-    from services.evaluation.calibrate import CalibrationConfig, run
+    from services.evaluation.calibrate import CalibrationConfig, RulerCalibrationConfig, run
 
-    config = CalibrationConfig(context_lengths=tuple(int(n) for n in lengths.split(",")), prompts=prompts, seed=seed)
-    run(checkpoint, config, threads)
+    if method not in ("auto", "needle", "ruler"):
+        raise typer.BadParameter("must be auto, needle or ruler", param_hint="--method")
+    overrides: dict[str, object] = {}
+    if lengths is not None:
+        overrides["context_lengths"] = tuple(int(n) for n in lengths.split(","))
+    if prompts is not None:
+        overrides["prompts"] = prompts
+    if seed is not None:
+        overrides["seed"] = seed
+    if method == "auto" and overrides:
+        method = "ruler" if not _speaks_needle_language(checkpoint) else "needle"
+    config = None if method == "auto" else (RulerCalibrationConfig if method == "ruler" else CalibrationConfig)(**overrides)  # type: ignore[arg-type]
+    run(checkpoint, config, threads, out)
+
+
+def _speaks_needle_language(checkpoint: Path) -> bool:
+    from services.evaluation.calibrate import speaks_needle_language
+    from services.model.loader import read_checkpoint
+
+    return speaks_needle_language(read_checkpoint(checkpoint).require_tokenizer())
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -216,7 +322,8 @@ def bench(
     preset: str = typer.Option("full", help="smoke (seconds, tiny models) or full (the issue's sweep)."),
     contexts: str | None = typer.Option(None, help="Comma-separated prompt lengths, e.g. 1K,4K,16K,32K (default: the preset's)."),
     budgets: str | None = typer.Option(None, help="Comma-separated budgets: full, fractions or percentages (default full,50%,25%,10%)."),
-    models: str | None = typer.Option(None, help="Comma-separated models: demo, large (default both)."),
+    models: str | None = typer.Option(None, help="Comma-separated models: demo, large (default both; none with --checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, help="Measure this checkpoint: a .gguf file (converted once to an HF directory that every engine loads) or an HF directory; alone unless --models names others."),
     out: Path = typer.Option(Path("bench-out"), help="Directory for bench.json, bench.md and the PNG plots."),
     threads: int | None = typer.Option(None, help="torch CPU threads of every measurement process (default 1)."),
     steps: int | None = typer.Option(None, help="Measured decode steps per configuration (default: the preset's)."),
@@ -229,12 +336,13 @@ def bench(
     from services.benchmark.config import Overrides, resolve
     from services.benchmark.errors import BenchError
     from services.benchmark.harness import run_bench
+    from services.model.errors import ModelError
 
     overrides = Overrides(contexts=contexts, budgets=budgets, models=models, threads=threads,
-                          kvpress=kvpress, memory_budget_gib=memory_budget_gib, steps=steps)
+                          kvpress=kvpress, memory_budget_gib=memory_budget_gib, steps=steps, checkpoint=checkpoint)
     try:
         run_bench(resolve(preset, overrides), out)
-    except BenchError as exc:
+    except (BenchError, ModelError) as exc:
         typer.echo(f"kvrelay bench: {exc}", err=True)
         raise typer.Exit(1) from None
 
@@ -278,7 +386,7 @@ def serve_policy(
 
 @serve_app.command("gateway")
 def serve_gateway(
-    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help="Checkpoint the workers serve (its tokenizer and config; default: the bundled demo checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint the workers serve, .gguf file or HF directory (its tokenizer and config; {DEFAULT_MODEL_HELP})."),
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="The workers' K/V dtype (default: the checkpoint's); default manifests are registered for it."),
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_GATEWAY_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
     port: int = typer.Option(50051, envvar="KVRELAY_GATEWAY_PORT"),
@@ -304,12 +412,11 @@ def serve_gateway(
 
     from services.gateway import DiscoveryConfig, GatewayConfig, WorkerSource
     from services.gateway.server import serve
-    from services.model.train_demo import DEMO_CHECKPOINT
     from services.rpc.server import ServerConfig
     from services.telemetry.process import TelemetryConfig, observed
 
     config = GatewayConfig(
-        checkpoint=checkpoint or DEMO_CHECKPOINT,
+        checkpoint=served_checkpoint(checkpoint),
         prefill_workers=WorkerSource.parse(prefill_workers, "prefill_workers"),
         decode_workers=WorkerSource.parse(decode_workers, "decode_workers"),
         policy_address=policy_address,
@@ -331,7 +438,7 @@ def serve_gateway(
 
 @serve_app.command("prefill")
 def serve_prefill(
-    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help="Checkpoint directory (default: the bundled demo checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     device: str = typer.Option("cpu", envvar="KVRELAY_DEVICE", help="cpu, cuda or cuda:N (CUDA tensors travel over NCCL)."),
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="K/V and compute dtype (default: the checkpoint's); manifests must declare the same."),
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_PREFILL_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
@@ -363,14 +470,13 @@ def serve_prefill(
 
     from prefill_worker.config import OffloadConfig, PrefillWorkerConfig
     from prefill_worker.server import serve
-    from services.model.train_demo import DEMO_CHECKPOINT
     from services.rpc.server import ServerConfig
     from services.telemetry.process import TelemetryConfig, observed
     from services.transfer import PairGroupConfig
 
     wildcard = host in ("0.0.0.0", "::", "")
     config = PrefillWorkerConfig(
-        checkpoint=checkpoint or DEMO_CHECKPOINT,
+        checkpoint=served_checkpoint(checkpoint),
         worker_id=worker_id or f"prefill-{socket.gethostname()}-{port}",
         server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes),
         policy_address=policy_address,
@@ -402,7 +508,7 @@ def serve_prefill(
 
 @serve_app.command("decode")
 def serve_decode(
-    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help="Checkpoint directory (default: the bundled demo checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     device: str = typer.Option("cpu", envvar="KVRELAY_DEVICE", help="cpu, cuda or cuda:N (CUDA tensors travel over NCCL)."),
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="Compute and KV cache dtype (default: the checkpoint's)."),
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_DECODE_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
@@ -429,14 +535,13 @@ def serve_decode(
 
     from decode_worker.config import DecodeWorkerConfig, SchedulerConfig
     from decode_worker.server import serve
-    from services.model.train_demo import DEMO_CHECKPOINT
     from services.rpc.server import ServerConfig
     from services.telemetry.process import TelemetryConfig, observed
     from services.transfer import PairGroupConfig
 
     wildcard = host in ("0.0.0.0", "::", "")
     config = DecodeWorkerConfig(
-        checkpoint=checkpoint or DEMO_CHECKPOINT,
+        checkpoint=served_checkpoint(checkpoint),
         policy_address=policy_address,
         worker_id=worker_id or f"decode-{socket.gethostname()}-{port}",
         server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes),
@@ -526,7 +631,7 @@ def bench_transfer(
 
 @bench_app.command("e2e")
 def bench_e2e(
-    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     contexts: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
     budgets: str = typer.Option("0.25,0.10", help="Comma-separated SnapKV budget fractions."),
     max_tokens: int = typer.Option(32, help="Output tokens per request."),
@@ -536,10 +641,9 @@ def bench_e2e(
 ) -> None:
     """TTFT and tokens/s through the gateway vs one process, full and SnapKV; transfer bytes/s vs loopback TCP."""
     from services.launcher.bench import E2EBenchConfig, run_e2e_bench
-    from services.launcher.stack import DEMO_CHECKPOINT
 
     config = E2EBenchConfig(
-        checkpoint=checkpoint or DEMO_CHECKPOINT, contexts=tuple(int(c) for c in contexts.split(",")),
+        checkpoint=served_checkpoint(checkpoint), contexts=tuple(int(c) for c in contexts.split(",")),
         budgets=tuple(float(b) for b in budgets.split(",")), max_tokens=max_tokens, repeats=repeats, threads=threads,
     )
     run_e2e_bench(config, json_out=json_out)

@@ -3,19 +3,19 @@
 Two presets fill `BenchConfig`: `smoke` (seconds; CI) and `full` (the issue-8 sweep: 1K, 4K,
 16K and 32K contexts, budgets full/50%/25%/10%, the demo checkpoint and a random-init Llama
 whose KV cache dominates the bytes a decode step reads at long context). CLI options only
-override fields of a preset, at the entry point.
+override fields of a preset, at the entry point; `--checkpoint PATH` measures that checkpoint
+(a `.gguf` file or an HF directory) instead of the preset's models, or beside those `--models`
+names, and moves the goals onto it when the preset's goal model is not measured.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.benchmark.errors import InvalidBenchConfig
-
-# services.model.train_demo.DEMO_CHECKPOINT, named here without importing the training
-# script (it imports transformers, which the kvrelay measurement process never needs).
-DEMO_CHECKPOINT = Path(__file__).resolve().parents[1] / "model" / "demo_checkpoint"
+from services.model.default import DEMO_CHECKPOINT
 
 PRESETS = ("smoke", "full")
 FULL_BUDGET = 1.0
@@ -51,7 +51,8 @@ class LlamaShape:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model to measure: a checkpoint directory, or a random-init Llama of `shape`."""
+    """A model to measure: a checkpoint (HF directory or `.gguf` file), or a random-init
+    Llama of `shape`."""
 
     name: str
     checkpoint: Path | None = None
@@ -66,7 +67,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class GoalSpec:
-    """The issue's four goals, and where they are evaluated (model, context, budget)."""
+    """The issue's four goals, and where they are evaluated (model, context, budget).
+    A context of 0 means the goal model's longest measured context."""
 
     model: str = "large"
     decode_context: int = 16384
@@ -229,17 +231,20 @@ class Overrides:
     kvpress: bool | None = None
     memory_budget_gib: float | None = None
     steps: int | None = None
+    checkpoint: Path | None = None
 
 
 def resolve(name: str, overrides: Overrides) -> BenchConfig:
     """The preset `name` with the CLI overrides applied (validated again)."""
     base = preset(name)
     contexts = parse_ints(overrides.contexts, "contexts") if overrides.contexts else base.contexts
+    models, goals = _models_and_goals(base, overrides)
     return replace(
         base,
         contexts=tuple(sorted(set(contexts))),
         budgets=parse_budgets(overrides.budgets) if overrides.budgets else base.budgets,
-        models=select_models(base.models, overrides.models) if overrides.models else base.models,
+        models=models,
+        goals=goals,
         threads=overrides.threads or base.threads,
         kvpress=base.kvpress if overrides.kvpress is None else overrides.kvpress,
         decode_steps=overrides.steps or base.decode_steps,
@@ -247,6 +252,31 @@ def resolve(name: str, overrides: Overrides) -> BenchConfig:
         if overrides.memory_budget_gib is None
         else int(overrides.memory_budget_gib * 2**30),
     )
+
+
+def checkpoint_model(path: Path) -> ModelSpec:
+    """A model spec for `--checkpoint PATH`, named after the file (without `.gguf`) or the
+    directory."""
+    if not path.exists():
+        raise InvalidBenchConfig("checkpoint", f"{path} does not exist")
+    stem = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "checkpoint"
+    return ModelSpec(name, checkpoint=path)
+
+
+def _models_and_goals(
+    base: BenchConfig, overrides: Overrides
+) -> tuple[tuple[ModelSpec, ...], GoalSpec]:
+    """`--models` picks from the preset; `--checkpoint` adds its model (alone when `--models`
+    is not given) and takes the goals, at its longest context, unless the goal model runs."""
+    named = select_models(base.models, overrides.models) if overrides.models else None
+    if overrides.checkpoint is None:
+        return named or base.models, base.goals
+    spec = checkpoint_model(overrides.checkpoint)
+    models = (*(named or ()), spec)
+    if any(m.name == base.goals.model for m in models):
+        return models, base.goals
+    return models, replace(base.goals, model=spec.name, decode_context=0, overhead_context=0)
 
 
 def parse_ints(text: str, option: str) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from services.benchmark.config import GoalSpec
 from services.benchmark.results import (
@@ -30,11 +31,26 @@ PASS, FAIL, NOT_MEASURED = "PASS", "FAIL", "N/A"
 def check_goals(
     spec: GoalSpec, runs: Sequence[DecodeRun], transfer_ratio: float | None
 ) -> tuple[GoalVerdict, ...]:
+    spec = at_measured_contexts(spec, runs)
     return (
         decode_speed(spec, runs),
         full_cache_vs_transformers(spec, runs),
         compression_overhead(spec, runs),
         transfer(spec, transfer_ratio),
+    )
+
+
+def at_measured_contexts(spec: GoalSpec, runs: Sequence[DecodeRun]) -> GoalSpec:
+    """`spec` with each context of 0 replaced by the goal model's longest measured context
+    (unchanged when that model was not measured: its goals stay N/A)."""
+    contexts = [r.context for r in runs if r.model == spec.model]
+    if not contexts:
+        return spec
+    longest = max(contexts)
+    return replace(
+        spec,
+        decode_context=spec.decode_context or longest,
+        overhead_context=spec.overhead_context or longest,
     )
 
 

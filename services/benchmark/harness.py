@@ -4,7 +4,8 @@
 
 Per model and context: kvrelay full-cache and SnapKV decode (prefill worker stages, then a
 DecodeCache), transformers' greedy generate, kvpress SnapKVPress at each compressed budget,
-all from the same checkpoint files and prompt ids. Each (model, engine) runs in its own
+all from the same checkpoint files and prompt ids (a GGUF checkpoint is converted once into
+the scratch directory, `services.benchmark.models`). Each (model, engine) runs in its own
 fresh process, one after another (`services.benchmark.worker`); cells whose estimated
 resident memory exceeds the budget are skipped with the estimate as the reason.
 """
@@ -50,6 +51,8 @@ class Plan:
     jobs: tuple[EngineJob, ...]
     skips: tuple[Skip, ...]
     memory_budget_bytes: int
+    # "model: 8192 -> 8157 tokens ..." for prompts cut to fit a model's positions
+    fitted: tuple[str, ...] = ()
 
 
 def run_bench(config: BenchConfig, out_dir: Path, console: Console | None = None) -> BenchReport:
@@ -111,13 +114,21 @@ def make_plan(config: BenchConfig, scratch: Path) -> Plan:
     budget = config.memory_budget_bytes or int(_DEFAULT_MEMORY_SHARE * available_bytes())
     max_positions = max(config.contexts) + config.total_steps + 2
     skips: list[Skip] = []
+    fitted: list[str] = []
     per_process: dict[str, list[ModelJob]] = {process: [] for process in PROCESSES}
     for spec in config.models:
-        info = model_files.describe(spec, max_positions)
-        checkpoint = model_files.checkpoint_path(spec, scratch)
+        checkpoint = model_files.prepare(spec, scratch)
+        info = model_files.describe(spec, checkpoint, max_positions)
+        contexts = [fit_context(c, info.max_positions, config.total_steps) for c in config.contexts]
+        fitted += [
+            f"{spec.name}: {asked} -> {used} prompt tokens, so that {config.total_steps} decode "
+            f"steps fit its {info.max_positions} positions"
+            for asked, used in zip(config.contexts, contexts, strict=True)
+            if asked != used
+        ]
         for process in PROCESSES:
             prompts = []
-            for context in config.contexts:
+            for context in contexts:
                 reason = skip_reason(
                     info.dims, info.max_positions, process, context, config, budget
                 )
@@ -136,7 +147,16 @@ def make_plan(config: BenchConfig, scratch: Path) -> Plan:
     jobs = tuple(
         _job(config, process, tuple(per_process[process]), scratch, random) for process in PROCESSES
     )
-    return Plan(jobs, tuple(skips), budget)
+    return Plan(jobs, tuple(skips), budget, tuple(fitted))
+
+
+def fit_context(context: int, max_positions: int, steps: int) -> int:
+    """`context`, or the longest prompt that leaves room for `steps` decode tokens (and the
+    last token) when `context` overshoots the model's positions by at most an eighth: "8K"
+    on an 8192-position model measures 8192 - steps - 1 prompt tokens. Larger overshoots
+    stay as asked and are skipped with the reason."""
+    usable = max_positions - steps - 1
+    return usable if usable < context <= usable + context // 8 else context
 
 
 def skip_reason(
@@ -272,4 +292,6 @@ def environment(config: BenchConfig, plan: Plan) -> dict[str, str]:
         "threads": str(config.threads),
         "memory_budget_gib": f"{plan.memory_budget_bytes / 2**30:.1f}",
     }
+    if plan.fitted:
+        env["prompt lengths cut"] = "; ".join(plan.fitted)
     return env

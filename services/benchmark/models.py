@@ -1,7 +1,12 @@
-"""The checkpoints every engine loads: a checkpoint directory as it is, or a random-init
-Llama written once with transformers' `save_pretrained` (safetensors), so kvrelay's loader
-and transformers (and through it kvpress) read the very same weights; and what the plan
-needs to know about each before any engine loads it."""
+"""The checkpoints every engine loads: a checkpoint directory as it is, a GGUF file converted
+once into an HF directory in the bench's scratch directory, or a random-init Llama written
+once with transformers' `save_pretrained` (safetensors), so kvrelay's loader and transformers
+(and through it kvpress) read the very same weights; and what the plan needs to know about
+each before any engine loads it.
+
+A GGUF is converted by `services.model.gguf_convert` (what `kvrelay convert` runs) in float32:
+the stored values are exactly the dequantized tensors kvrelay's own GGUF loader builds, so
+every engine, kvrelay included, loads that one directory."""
 
 from __future__ import annotations
 
@@ -14,12 +19,26 @@ import torch
 from services.benchmark.config import LlamaShape, ModelSpec
 from services.benchmark.memory import ModelDims
 from services.model.config import parse_model_config
+from services.model.gguf import is_gguf_file
 
 
 def checkpoint_path(spec: ModelSpec, scratch: Path) -> Path:
-    """Where `spec`'s files are (a random model's are written there by the transformers
-    process before anything is measured)."""
-    return spec.checkpoint if spec.checkpoint is not None else scratch / f"model-{spec.name}"
+    """Where `spec`'s HF files are: the checkpoint directory itself, or a directory in
+    `scratch` (a random model's is written there by the transformers process before anything
+    is measured, a GGUF's by `prepare`)."""
+    if spec.checkpoint is not None and not is_gguf_file(spec.checkpoint):
+        return spec.checkpoint
+    return scratch / f"model-{spec.name}"
+
+
+def prepare(spec: ModelSpec, scratch: Path) -> Path:
+    """`checkpoint_path(spec, scratch)`, after converting a GGUF checkpoint there (float32)."""
+    path = checkpoint_path(spec, scratch)
+    if spec.checkpoint is not None and is_gguf_file(spec.checkpoint) and not path.exists():
+        from services.model.gguf_convert import convert_gguf
+
+        convert_gguf(spec.checkpoint, path, "float32")
+    return path
 
 
 def save_random_llama(shape: LlamaShape, target: Path, max_positions: int, seed: int) -> None:
@@ -53,10 +72,11 @@ class CheckpointInfo:
     vocab_size: int
 
 
-def describe(spec: ModelSpec, max_positions: int) -> CheckpointInfo:
+def describe(spec: ModelSpec, path: Path, max_positions: int) -> CheckpointInfo:
     """Sizes for the memory estimate (float32 weights, the bench's dtype), the position
-    limit and the vocabulary: from config.json and the weight files of a checkpoint, from
-    the shape of a random model (whose max_position_embeddings is `max_positions`)."""
+    limit and the vocabulary: from config.json and the weight files at `path` (a prepared
+    checkpoint), from the shape of a random model (whose max_position_embeddings is
+    `max_positions`)."""
     if spec.shape is not None:
         shape = spec.shape
         dims = ModelDims(
@@ -69,8 +89,7 @@ def describe(spec: ModelSpec, max_positions: int) -> CheckpointInfo:
             weight_bytes=4 * llama_parameter_count(shape),
         )
         return CheckpointInfo(dims, max_positions, shape.vocab_size)
-    assert spec.checkpoint is not None  # ModelSpec guarantees one of the two
-    config = parse_model_config(json.loads((spec.checkpoint / "config.json").read_text()))
+    config = parse_model_config(json.loads((path / "config.json").read_text()))
     dims = ModelDims(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -78,7 +97,7 @@ def describe(spec: ModelSpec, max_positions: int) -> CheckpointInfo:
         num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        weight_bytes=4 * _parameter_count(spec.checkpoint),
+        weight_bytes=4 * _parameter_count(path),
     )
     return CheckpointInfo(dims, config.max_position_embeddings, config.vocab_size)
 

@@ -1,4 +1,11 @@
-"""HeadKV importance profiles stored beside a checkpoint (`headkv_profile.safetensors`).
+"""HeadKV importance profiles of a checkpoint: beside it, or shipped with kvrelay.
+
+Where a checkpoint's profile lives (`profile_path`): inside an HF directory as
+`headkv_profile.safetensors`; beside a `.gguf` file as `<file>.headkv_profile.safetensors`.
+A checkpoint without one may still have a profile shipped in this package
+(`services/evaluation/profiles/<checkpoint sha256>.headkv_profile.safetensors`, found by the
+digest of the checkpoint, `checkpoint_sha256`): the bundled default model sits in
+site-packages, where nothing should be written, so its calibrated profile ships here.
 
 A profile holds a checkpoint's retrieval-head scores twice: per K/V head `[L, H_kv]` (the owners
 of the GQA reductions `mean` and `max`; the profile's identity) and per query head `[L, H_q]`
@@ -23,6 +30,8 @@ from safetensors.torch import save_file
 from services.kvpolicy.allocation import profile_sha256
 
 PROFILE_FILE = "headkv_profile.safetensors"
+PROFILE_SUFFIX = "." + PROFILE_FILE  # beside a checkpoint file: `<file>.headkv_profile...`
+SHIPPED_PROFILES = Path(__file__).resolve().parent / "profiles"
 KV_HEAD_KEY = "kv_head"  # [L, H_kv]
 QUERY_HEAD_KEY = "query_head"  # [L, H_q]
 METADATA_KEY = "kvrelay.headkv_profile"
@@ -85,9 +94,22 @@ class HeadProfile:
                 )
 
 
-def save_profile(directory: Path, profile: HeadProfile) -> Path:
-    """Write `directory/headkv_profile.safetensors` (replacing any older profile)."""
-    path = Path(directory) / PROFILE_FILE
+def profile_path(checkpoint: Path) -> Path:
+    """Where the profile of `checkpoint` (an HF directory or a checkpoint file) is written."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_file():
+        return checkpoint.with_name(checkpoint.name + PROFILE_SUFFIX)
+    return checkpoint / PROFILE_FILE
+
+
+def shipped_profile_path(checkpoint_digest: str) -> Path:
+    """Where a profile shipped with kvrelay for the checkpoint of this digest would be."""
+    return SHIPPED_PROFILES / f"{checkpoint_digest}{PROFILE_SUFFIX}"
+
+
+def save_profile(checkpoint: Path, profile: HeadProfile, path: Path | None = None) -> Path:
+    """Write the profile to `path` (default: `profile_path(checkpoint)`), replacing any older one."""
+    path = Path(path) if path is not None else profile_path(checkpoint)
     tensors = {
         KV_HEAD_KEY: profile.kv_head.detach().to(torch.float32).contiguous(),
         QUERY_HEAD_KEY: profile.query_head.detach().to(torch.float32).contiguous(),
@@ -96,11 +118,28 @@ def save_profile(directory: Path, profile: HeadProfile) -> Path:
     return path
 
 
-def load_profile(directory: Path) -> HeadProfile | None:
-    """The profile beside a checkpoint, or None when the directory has none."""
-    path = Path(directory) / PROFILE_FILE
-    if not path.is_file():
+def load_profile(checkpoint: Path) -> HeadProfile | None:
+    """The profile beside `checkpoint`; for a checkpoint file without one, the profile shipped
+    for its digest (checked against the digest its provenance records); else None."""
+    path = profile_path(checkpoint)
+    if path.is_file():
+        return read_profile(path)
+    if not Path(checkpoint).is_file():
         return None
+    digest = checkpoint_sha256(checkpoint)
+    shipped = shipped_profile_path(digest)
+    if not shipped.is_file():
+        return None
+    profile = read_profile(shipped)
+    if profile.provenance.checkpoint_sha256 != digest:
+        raise ProfileFileInvalid(
+            f"{shipped}: provenance names checkpoint {profile.provenance.checkpoint_sha256}"
+        )
+    return profile
+
+
+def read_profile(path: Path) -> HeadProfile:
+    """The profile in one safetensors file; ProfileFileInvalid naming what is wrong."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             raw = (handle.metadata() or {}).get(METADATA_KEY)
@@ -117,8 +156,13 @@ def load_profile(directory: Path) -> HeadProfile | None:
 
 
 def checkpoint_sha256(directory: Path) -> str:
-    """SHA-256 over the checkpoint's config and weight files (name, size, bytes), in name order."""
+    """SHA-256 over the checkpoint's config and weight files (name, size, bytes), in name order;
+    for a `.gguf` file, over its size and bytes (the file holds config and weights; a renamed
+    copy keeps its digest)."""
     digest = hashlib.sha256()
+    if Path(directory).suffix.lower() == ".gguf" and Path(directory).is_file():
+        _hash_file(digest, Path(directory), label="gguf")
+        return digest.hexdigest()
     for name in _CHECKPOINT_FILES:
         path = Path(directory) / name
         if path.is_file():
@@ -130,8 +174,8 @@ def checkpoint_sha256(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def _hash_file(digest: hashlib._Hash, path: Path) -> None:
-    digest.update(f"{path.name}:{path.stat().st_size}:".encode())
+def _hash_file(digest: hashlib._Hash, path: Path, label: str | None = None) -> None:
+    digest.update(f"{label or path.name}:{path.stat().st_size}:".encode())
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)

@@ -5,45 +5,52 @@ serves, so it registers the default manifests for that tensor contract at start-
 registration is idempotent (identical bytes are a no-op), and a different manifest under a
 default name stops start-up with the policy named. `ManifestResolver` turns a client's
 choice (name and generation, or sha256, or nothing = the default policy) into a stored
-manifest that fits the served tensor contract; an unknown or unfit one is INVALID_ARGUMENT.
-Content lookups (sha -> manifest) are cached forever, name lookups for a short TTL.
+manifest that fits the served tensor contract (`services.kvpolicy.fit`, the check the
+workers repeat); an unknown or unfit one is INVALID_ARGUMENT. Lookups go through the shared
+`services.policy.manifests.ManifestCache`: by sha cached forever, by name for a short TTL.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from services.gateway.validation import ManifestChoice
+from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract, default_manifests
+from services.offload.recall import RecallKnobs, with_recall
 from services.policy import ManifestConflict, NotFound, PolicyClient, Registration
-from services.policy.types import ManifestRef
+from services.policy.manifests import ManifestCache
 from services.rpc.errors import InvalidArgument
 
-_CONTRACT_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "k_dtype", "v_dtype",
-                    "key_positional_stage")
+# `snapkv-recall`: `snapkv` whose omitted rows stay in the prefill worker's offload store,
+# recalled page by page when a decode query's bound on their attention mass passes 0.9.
+# Tuned through the gateway on the default model (SmolLM2-135M-Instruct) with the demo's
+# passphrase question (`services.launcher.haystack`, 3K tokens of prose) on seeds 101-106,
+# not the demo's seed 7. The full cache answered 6 of 6, `snapkv` 3 (it keeps the
+# passphrase's first word and loses the rest); 8-row pages x 64 per step answered 5, recalling
+# 4.9% of the omitted rows (x 32: 3 of 6, 2.4%; x 16: 4 of 6, 1.2%).
+SERVED_RECALL_KNOBS = RecallKnobs(threshold=0.9, page_size=8, max_pages_per_step=64, cadence_steps=1)
+
+
+def served_manifests(served: TensorContract) -> dict[str, KVVisibilityPolicyManifest]:
+    """The manifests every gateway registers for the served tensor contract: the runtime's
+    `default_manifests` and `snapkv-recall`."""
+    manifests = default_manifests(served)
+    recall = with_recall(manifests["snapkv"], SERVED_RECALL_KNOBS)
+    return {**manifests, recall.name: recall}
 
 
 class DefaultManifestConflict(RuntimeError):
     """A default policy name already holds a manifest for another checkpoint or dtype."""
 
 
-@dataclass(frozen=True)
-class ResolvedManifest:
-    """A stored manifest the served checkpoint can run."""
-
-    sha256: str
-    name: str
-    policy_generation: int
-
-
 async def register_defaults(
     client: PolicyClient, served: TensorContract, *, timeout_s: float
 ) -> list[Registration]:
-    """Register `default_manifests(served)` once; re-running with the same contract is a no-op."""
+    """Register `served_manifests(served)` once; re-running with the same contract is a no-op."""
     registrations = []
-    for name, manifest in default_manifests(served).items():
+    for name, manifest in served_manifests(served).items():
         try:
             registrations.append(await client.register_manifest(manifest.canonical_json(), timeout_s=timeout_s))
         except ManifestConflict as exc:
@@ -54,18 +61,9 @@ async def register_defaults(
     return registrations
 
 
-def contract_mismatch(declared: TensorContract, served: TensorContract) -> str | None:
-    """Why a manifest's tensor contract does not fit the served model, or None if it does."""
-    for name in _CONTRACT_FIELDS:
-        if getattr(declared, name) != getattr(served, name):
-            return f"tensor.{name} is {getattr(declared, name)}, the served checkpoint has {getattr(served, name)}"
-    if declared.resolved_q_to_kv_head_map() != served.resolved_q_to_kv_head_map():
-        return "tensor.q_to_kv_head_map differs from the served checkpoint's"
-    return None
-
-
 class ManifestResolver:
-    """Client choice -> `ResolvedManifest`, through the policy service, cached."""
+    """Client choice -> a stored manifest that fits the served deployment, through the shared
+    manifest cache (by sha forever, by name for `name_ttl_s`) and the one fit check."""
 
     def __init__(
         self,
@@ -78,53 +76,33 @@ class ManifestResolver:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
-        self.served = served
+        # The gateway holds no rows; whether a prefill worker keeps recallable_remote rows is
+        # that worker's check (the same one).
+        self.deployment = Deployment(served)
         self.default_policy = default_policy
-        self._name_ttl_s = name_ttl_s
-        self._timeout_s = timeout_s
-        self._clock = clock
-        self._by_sha: dict[str, ResolvedManifest] = {}
-        self._by_name: dict[tuple[str, int], tuple[float, ManifestRef]] = {}
+        self.manifests = ManifestCache(client, name_ttl_s=name_ttl_s, timeout_s=timeout_s, clock=clock)
 
-    async def resolve(self, choice: ManifestChoice) -> ResolvedManifest:
+    async def resolve(self, choice: ManifestChoice) -> KVVisibilityPolicyManifest:
+        """INVALID_ARGUMENT naming the choice's field for an unknown or unfit manifest."""
         if choice.sha256:
-            return await self._fetch(choice.sha256, "manifest.sha256")
+            return await self._fitting(choice.sha256, "manifest.sha256")
         name = choice.name or self.default_policy
         field = "manifest.by_name.name" if choice.name else "manifest"
-        ref = await self._ref(name, choice.policy_generation, field)
-        return await self._fetch(ref.sha256, field)
-
-    async def _ref(self, name: str, generation: int, field: str) -> ManifestRef:
-        cached = self._by_name.get((name, generation))
-        if cached is not None and cached[0] > self._clock():
-            return cached[1]
-        refs = await self.client.list_manifests(name, timeout_s=self._timeout_s)
-        if not refs:
-            known = sorted({ref.name for ref in await self.client.list_manifests(timeout_s=self._timeout_s)})
-            raise InvalidArgument(f"unknown policy {name!r}; registered: {', '.join(known) or 'none'}", field=field)
-        matching = [ref for ref in refs if generation in (0, ref.policy_generation)]
-        if not matching:
-            raise InvalidArgument(
-                f"policy {name!r} has no generation {generation}; registered: "
-                f"{sorted(ref.policy_generation for ref in refs)}",
-                field="manifest.by_name.policy_generation",
-            )
-        ref = max(matching, key=lambda r: r.policy_generation)
-        self._by_name[(name, generation)] = (self._clock() + self._name_ttl_s, ref)
-        return ref
-
-    async def _fetch(self, sha256: str, field: str) -> ResolvedManifest:
-        resolved = self._by_sha.get(sha256)
-        if resolved is not None:
-            return resolved
         try:
-            stored = await self.client.get_manifest(sha256, timeout_s=self._timeout_s)
+            ref = await self.manifests.ref(name, choice.policy_generation)
+        except NotFound as exc:
+            wrong = "manifest.by_name.policy_generation" if exc.field == "policy_generation" else field
+            raise InvalidArgument(exc.message, field=wrong) from None
+        return await self._fitting(ref.sha256, field)
+
+    async def _fitting(self, sha256: str, field: str) -> KVVisibilityPolicyManifest:
+        try:
+            manifest = await self.manifests.get(sha256)
         except NotFound:
             raise InvalidArgument("no manifest is registered under this sha256", field=field) from None
-        manifest = KVVisibilityPolicyManifest.from_json(stored.canonical_json)
-        problem = contract_mismatch(manifest.tensor, self.served)
-        if problem is not None:
-            raise InvalidArgument(f"policy {manifest.name!r} does not fit this deployment: {problem}", field=field)
-        resolved = ResolvedManifest(sha256, manifest.name, manifest.policy_generation)
-        self._by_sha[sha256] = resolved
-        return resolved
+        try:
+            check_fits(manifest, self.deployment)
+        except ManifestUnfit as exc:
+            problem = f"policy {manifest.name!r} does not fit this deployment: {exc.field} {exc.reason}"
+            raise InvalidArgument(problem, field=field) from None
+        return manifest

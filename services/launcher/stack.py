@@ -28,11 +28,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.model.default import DEMO_CHECKPOINT
+from services.model.errors import ModelError
+from services.model.loader import read_checkpoint
 from services.redis_embedded import free_loopback_port
 
-# services.model.train_demo.DEMO_CHECKPOINT, named here without importing the model runtime
-# (and torch) into the launcher process.
-DEMO_CHECKPOINT = Path(__file__).resolve().parents[1] / "model" / "demo_checkpoint"
 _LOG_TAIL_LINES = 20
 
 
@@ -62,7 +62,9 @@ class StackConfig:
     redis_url: str | None = None
     log_dir: Path | None = None
     threads: int = 1
-    start_timeout_s: float = 180.0
+    # Until every service is healthy: a real model loads in each worker at once (SmolLM2-135M
+    # from GGUF: ~6 s alone on one thread, ~25 s with the stack starting beside it on 2 cores).
+    start_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
     log_level: str = "INFO"
     # Extra `--flag value` pairs per role ("gateway", "prefill", "decode", "policy").
@@ -134,13 +136,25 @@ class StackConfig:
 
 
 def check_checkpoint(path: Path) -> None:
-    """Fail fast, before any process starts, when `path` is not a servable checkpoint."""
+    """Fail fast, before any process starts, when `path` is not a servable checkpoint: an HF
+    directory with config, tokenizer and weights, or a `.gguf` file whose metadata, tokenizer
+    and tensor index the runtime accepts (read without dequantizing)."""
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        _check_gguf(path)
+        return
     missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
         hint = " (train it with `kvrelay train-demo`)" if path == DEMO_CHECKPOINT else ""
         raise StackError(f"checkpoint {path} lacks {', '.join(missing)}{hint}")
+
+
+def _check_gguf(path: Path) -> None:
+    try:
+        read_checkpoint(path).require_tokenizer()
+    except ModelError as error:
+        raise StackError(f"checkpoint {path} cannot be served: {error}") from error
 
 
 def _free_ports(count: int) -> list[int]:

@@ -26,10 +26,12 @@ def run_up(config: StackConfig, console: Console | None = None) -> int:
     def ready(service: ServiceProcess) -> None:
         console.print(f"  [green]ready[/green] {service.name:<10} {service.address:<22} pid {service.pid}")
 
+    started = time.monotonic()
     try:
         stack.start(on_ready=ready)
         console.print(f"[bold]kvrelay gateway listening on {stack.gateway_address}[/bold]")
-        console.print(f'  try: kvrelay generate "what is the code of alice ?" --gateway {stack.gateway_address}')
+        console.print(f"  ready in {time.monotonic() - started:.1f} s")
+        console.print(f'  try: kvrelay generate "What is the capital of France?" --chat --gateway {stack.gateway_address}')
         console.print("  Ctrl-C stops every service")
         return _watch(stack, console)
     except KeyboardInterrupt:

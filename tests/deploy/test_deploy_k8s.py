@@ -6,7 +6,6 @@ GA gRPC probes and of the newest bundled one; the manifests agree with the `kvre
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +13,6 @@ from typing import Any
 import pytest
 from deploy_helpers import (
     OVERLAYS,
-    REPO,
     default_ports,
     envvars,
     is_library_env,
@@ -29,8 +27,6 @@ from kubernetes_validate.utils import ValidationError, latest_version, validate
 K8S_VERSIONS = ("1.27", latest_version())  # gRPC probes are GA from 1.27
 EXPECTED_KINDS = {"Namespace", "ConfigMap", "Secret", "Service", "Deployment", "StatefulSet",
                   "HorizontalPodAutoscaler", "PodDisruptionBudget"}
-# services.model.train_demo.DEMO_CHECKPOINT (importing that module loads transformers).
-DEMO_CHECKPOINT = REPO / "services" / "model" / "demo_checkpoint"
 MANIFESTS_DIR = "/etc/kvrelay/manifests"
 Obj = dict[str, Any]
 
@@ -317,10 +313,13 @@ def test_redis_password_comes_from_one_secret_and_data_persists(rendered) -> Non
     assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in redis_container["volumeMounts"]
 
 
-def test_manifests_config_map_is_registered_and_fits_the_bundled_checkpoint(rendered) -> None:
-    from services.gateway.policies import contract_mismatch
-    from services.kvpolicy.manifest import KVVisibilityPolicyManifest, default_manifests
-    from services.model.config import make_tensor_contract, parse_model_config, resolve_dtype
+def test_manifests_config_map_is_registered_and_fits_the_default_model(rendered) -> None:
+    from services.gateway.policies import served_manifests
+    from services.kvpolicy.fit import Deployment, check_fits
+    from services.kvpolicy.manifest import KVVisibilityPolicyManifest
+    from services.model.config import make_tensor_contract, resolve_dtype
+    from services.model.default import default_checkpoint
+    from services.model.loader import read_checkpoint
 
     objects = rendered["cpu"]
     workload, _ = role_container(objects, "gateway")
@@ -331,13 +330,14 @@ def test_manifests_config_map_is_registered_and_fits_the_bundled_checkpoint(rend
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     files = named(objects, "ConfigMap")[volume["configMap"]["name"]]["data"]
     assert registered == {f"{MANIFESTS_DIR}/{name}" for name in files}
-    assert "DEMO_CHECKPOINT = Path(__file__).resolve().parent / \"demo_checkpoint\"" in (
-        REPO / "services" / "model" / "train_demo.py").read_text()
-    assert (DEMO_CHECKPOINT / "config.json").exists(), "the bundled demo checkpoint is missing (kvrelay train-demo)"
-    model = parse_model_config(json.loads((DEMO_CHECKPOINT / "config.json").read_text()))
+    # The images serve the default model (no KVRELAY_CHECKPOINT in the base): the extra
+    # manifests must fit its tensor contract.
+    for _, container in kvrelay_containers(objects):
+        assert "KVRELAY_CHECKPOINT" not in env_values(container) | config_map_env(objects, container)
+    model = read_checkpoint(default_checkpoint()).config
     served = make_tensor_contract(model, resolve_dtype(None, model.checkpoint_dtype))
     for name, text in files.items():
         manifest = KVVisibilityPolicyManifest.from_json(text)
         assert name == f"{manifest.name}.json"
-        assert manifest.name not in default_manifests(served), "the gateway registers the defaults itself"
-        assert contract_mismatch(manifest.tensor, served) is None, f"{name} does not fit the demo checkpoint"
+        assert manifest.name not in served_manifests(served), "the gateway registers the defaults itself"
+        check_fits(manifest, Deployment(served))  # ManifestUnfit names the field that does not fit

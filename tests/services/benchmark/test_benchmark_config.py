@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from services.benchmark.config import Overrides, parse_budgets, parse_ints, preset, resolve
+from services.benchmark.config import (
+    DEMO_CHECKPOINT,
+    Overrides,
+    parse_budgets,
+    parse_ints,
+    preset,
+    resolve,
+)
 from services.benchmark.errors import InvalidBenchConfig, MissingBenchDependency
-from services.benchmark.harness import prompt_ids, require_packages, skip_reason
+from services.benchmark.harness import (
+    fit_context,
+    make_plan,
+    prompt_ids,
+    require_packages,
+    skip_reason,
+)
 from services.benchmark.memory import ModelDims, PeakProbe, estimate_peak, kv_bytes
+from services.model.default import default_checkpoint
 
 torch.set_num_threads(1)
 
@@ -108,3 +123,45 @@ def test_peak_probe_sees_a_phase_allocation_and_forgets_it_in_the_next_phase() -
     assert first.scope == second.scope == "phase"
     assert first.peak - first.start >= 60 * 2**20
     assert second.peak - second.start < 16 * 2**20
+
+
+def test_a_checkpoint_is_measured_alone_or_beside_named_models_and_takes_the_goals(
+    tmp_path: Path,
+) -> None:
+    gguf = tmp_path / "My Model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    alone = resolve("full", Overrides(checkpoint=gguf))
+    assert [(m.name, m.checkpoint) for m in alone.models] == [("My-Model.Q4_1", gguf)]
+    assert (alone.goals.model, alone.goals.decode_context, alone.goals.overhead_context) == (
+        "My-Model.Q4_1", 0, 0)
+    beside = resolve("full", Overrides(checkpoint=DEMO_CHECKPOINT, models="large"))
+    assert [m.name for m in beside.models] == ["large", "demo_checkpoint"]
+    assert beside.goals == preset("full").goals  # the goal model still runs
+    with pytest.raises(InvalidBenchConfig) as raised:
+        resolve("full", Overrides(checkpoint=tmp_path / "absent.gguf"))
+    assert raised.value.field == "checkpoint"
+    (tmp_path / "demo").mkdir()
+    with pytest.raises(InvalidBenchConfig, match="duplicate"):
+        resolve("full", Overrides(checkpoint=tmp_path / "demo", models="demo"))
+
+
+def test_a_prompt_a_little_over_the_positions_is_cut_to_fit_and_a_long_one_is_kept() -> None:
+    assert fit_context(8192, 8192, 34) == 8157  # "8K" on an 8192-position model
+    assert fit_context(4096, 8192, 34) == 4096
+    assert fit_context(16384, 8192, 34) == 16384  # skipped later, with the reason
+
+
+def test_a_gguf_checkpoint_is_converted_once_and_planned_at_the_contexts_that_fit(
+    tmp_path: Path,
+) -> None:
+    config = resolve("full", Overrides(checkpoint=default_checkpoint(), contexts="1K,8K", steps=4))
+    plan = make_plan(config, tmp_path)
+    converted = tmp_path / "model-SmolLM2-135M-Instruct.Q4_1"
+    assert (converted / "config.json").is_file() and (converted / "model.safetensors").is_file()
+    for job in plan.jobs:
+        (model,) = job.models
+        assert model.checkpoint == converted
+        assert [context for context, _ in model.prompts] == [1024, 8192 - 6 - 1]
+        assert all(len(ids) == context and max(ids) < 49152 for context, ids in model.prompts)
+    assert plan.fitted == ("SmolLM2-135M-Instruct.Q4_1: 8192 -> 8185 prompt tokens, so that 6 "
+                           "decode steps fit its 8192 positions",)

@@ -3,6 +3,8 @@ N/A exactly where its definition says (a pure function of the records)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.benchmark.config import GoalSpec
@@ -138,3 +140,15 @@ def test_transfer_goal() -> None:
     assert statuses([], 0.5)[3] == PASS
     assert statuses([], 0.49)[3] == FAIL
     assert statuses([], None)[3] == NOT_MEASURED
+
+
+def test_a_zero_context_means_the_goal_models_longest_measured_context() -> None:
+    longest = GoalSpec(model="large", decode_context=0, decode_budget=0.10, overhead_context=0)
+    runs = [run(KVRELAY_FULL, 100.0, context=4096), snapkv(20.0, context=4096),
+            run(KVPRESS, 30.0, context=4096, budget=0.10), run(KVRELAY_FULL, 10.0, context=1024),
+            run(KVRELAY_FULL, 10.0, context=8192, model="demo")]  # another model's context
+    verdicts = check_goals(longest, runs, 0.8)
+    assert [v.status for v in verdicts][:3] == [PASS, NOT_MEASURED, PASS]
+    assert "T=4096" in verdicts[0].goal and "T=4096" in verdicts[2].goal
+    unmeasured = check_goals(replace(longest, model="absent"), runs, 0.8)
+    assert [v.status for v in unmeasured][:3] == [NOT_MEASURED] * 3

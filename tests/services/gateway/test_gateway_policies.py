@@ -9,13 +9,9 @@ from dataclasses import replace
 import pytest
 
 from policy_service.server import PolicyServer
-from services.gateway.policies import (
-    DefaultManifestConflict,
-    ManifestResolver,
-    contract_mismatch,
-    register_defaults,
-)
+from services.gateway.policies import DefaultManifestConflict, ManifestResolver, register_defaults
 from services.gateway.validation import ManifestChoice
+from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import DType, TensorContract, default_manifests
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.errors import InvalidArgument
@@ -32,7 +28,7 @@ async def client(policy_server: PolicyServer) -> AsyncIterator[PolicyClient]:
 
 async def test_defaults_register_once_and_conflicts_name_the_policy(client: PolicyClient) -> None:
     first = await register_defaults(client, SERVED, timeout_s=5.0)
-    assert sorted(r.ref.name for r in first) == sorted(default_manifests(SERVED))
+    assert sorted(r.ref.name for r in first) == sorted([*default_manifests(SERVED), "snapkv-recall"])
     assert all(r.created for r in first)
     again = await register_defaults(client, SERVED, timeout_s=5.0)
     assert [r.ref for r in again] == [r.ref for r in first] and not any(r.created for r in again)
@@ -41,12 +37,16 @@ async def test_defaults_register_once_and_conflicts_name_the_policy(client: Poli
         await register_defaults(client, bf16, timeout_s=5.0)
 
 
-def test_contract_mismatch_names_the_field() -> None:
-    assert contract_mismatch(SERVED, SERVED) is None
-    assert contract_mismatch(replace(SERVED, q_to_kv_head_map=()), SERVED) is None  # contiguous either way
-    assert "tensor.num_layers is 3" in (contract_mismatch(OTHER, SERVED) or "")
-    bf16 = replace(SERVED, k_dtype=DType.BFLOAT16)
-    assert (contract_mismatch(bf16, SERVED) or "").startswith("tensor.k_dtype")
+def test_the_fit_check_names_the_field() -> None:
+    manifests = default_manifests(SERVED)
+    check_fits(manifests["full"], Deployment(SERVED))
+    check_fits(manifests["full"], Deployment(replace(SERVED, q_to_kv_head_map=())))  # contiguous either way
+    with pytest.raises(ManifestUnfit) as caught:
+        check_fits(default_manifests(OTHER)["full"], Deployment(SERVED))
+    assert caught.value.field == "tensor.num_layers" and caught.value.reason.startswith("is 3 in the manifest")
+    with pytest.raises(ManifestUnfit) as caught:
+        check_fits(manifests["full"], Deployment(replace(SERVED, k_dtype=DType.BFLOAT16)))
+    assert caught.value.field == "tensor.k_dtype"
 
 
 async def test_resolver_by_default_name_generation_and_sha(client: PolicyClient) -> None:

@@ -102,3 +102,25 @@ def test_metrics_ports_are_numbered_per_service_or_left_to_the_services(tmp_path
     assert metrics_port(Stack(StackConfig.with_counts(Path("/ckpt"), log_dir=tmp_path))._gateway().argv) is None
     with pytest.raises(ValueError, match="metrics_base_port"):
         StackConfig.with_counts(Path("/ckpt"), metrics_base_port=50060)  # lands on the gRPC ports 50061-50063
+
+
+def test_commands_without_a_checkpoint_serve_the_default_model() -> None:
+    from services.cli import served_checkpoint
+    from services.model.default import default_checkpoint
+
+    assert served_checkpoint(None) == default_checkpoint()
+    assert served_checkpoint(Path("/elsewhere")) == Path("/elsewhere")
+
+
+def test_the_default_gguf_passes_the_start_up_check_and_a_truncated_one_fails_first(tmp_path: Path) -> None:
+    from services.launcher.stack import check_checkpoint
+    from services.model.default import default_checkpoint
+
+    check_checkpoint(default_checkpoint())
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_checkpoint(), "rb") as source:
+        truncated.write_bytes(source.read(4096))
+    stack = Stack(StackConfig.with_free_ports(truncated, log_dir=tmp_path / "logs"))
+    with pytest.raises(StackError, match="truncated.gguf cannot be served"):
+        stack.start()
+    assert stack.services == []
