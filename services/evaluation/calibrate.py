@@ -14,14 +14,23 @@ forward. The answer is teacher-forced (the cue query is the same whatever the mo
 generate), so an undertrained checkpoint still gets scores; the share of prompts the model
 answers itself is recorded as `answer_accuracy`.
 
+RULER calibration (checkpoints with a real text tokenizer, e.g. SmolLM2): RULER-style
+needle prompts (`services.evaluation.ruler`, single and multi-key needles, both haystacks,
+question-aware and question-agnostic placements) on seeds disjoint from the suite's. The
+answer (the asked needle's digits, after the prompt's answer prefix) is teacher-forced: one
+prefill of prompt + answer with an observation window over the answer's queries captures,
+for every answer digit, where each head's top attention lands; a hit is the needle's copy
+of that digit. `kvrelay calibrate` picks the method by the checkpoint's tokenizer (`auto`).
+
 Owners: the score of a K/V head is the mean over the query heads that read it (the manifest's
 `q_to_kv_head_map`), i.e. the share of (query head, answer token) pairs of its group that retrieve.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +38,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from services.evaluation import ruler
 from services.evaluation.profile import (
     HeadProfile,
     ProfileProvenance,
@@ -38,8 +48,16 @@ from services.evaluation.profile import (
 from services.kvpolicy.manifest import GQAReduction
 from services.kvpolicy.snapkv import reduce_gqa
 from services.model import InvalidModelInput, LoadedModel, PrefillOptions, load, needle, prefill
+from services.model.tokenizer import TextTokenizer
 
 METHOD = "retrieval-top1"
+RULER_METHOD = "retrieval-top1-ruler"
+RULER_CALIBRATION_SEED = 30_000_000  # away from the suite's tuning and report seeds
+RULER_VARIANTS = (
+    (ruler.Task.NIAH_SINGLE, ruler.Haystack.NOISE),
+    (ruler.Task.NIAH_SINGLE, ruler.Haystack.PROSE),
+    (ruler.Task.NIAH_MULTIKEY, ruler.Haystack.PROSE),
+)
 CODE_OFFSET = 5  # index of <code> in the fact `the code of <name> is <code> .`
 CALIBRATION_SEED = 9_000_000  # away from training documents and `kvrelay eval` prompts
 
@@ -123,45 +141,155 @@ def calibrate(
     checkpoint_digest: str,
     advance: Callable[[], None] | None = None,
 ) -> HeadProfile:
-    """Retrieval scores of every head over `config`'s prompts; `advance` ticks once per prompt."""
+    """Retrieval scores of every head over `config`'s needle-language prompts; `advance`
+    ticks once per prompt."""
     prompts = calibration_prompts(config)
+    hits = [functools.partial(prompt_hits, loaded, p, config.chunk_size) for p in prompts]
+    provenance = ProfileProvenance(
+        method=METHOD, prompts=len(prompts), seed=config.seed,
+        context_lengths=config.context_lengths,
+        placements=tuple(p.value for p in config.placements), distractors=config.distractors,
+        checkpoint_sha256=checkpoint_digest, answer_accuracy=0.0,
+    )
+    return _profile(loaded, hits, provenance, advance)
+
+
+@dataclass(frozen=True)
+class RulerCalibrationConfig:
+    """RULER calibration: `prompts` per (length, task variant, placement), depths spread."""
+
+    context_lengths: tuple[int, ...] = (1024, 2048)
+    prompts: int = 6
+    variants: tuple[tuple[ruler.Task, ruler.Haystack], ...] = RULER_VARIANTS
+    placements: tuple[ruler.Placement, ...] = (ruler.Placement.END, ruler.Placement.BEFORE_FILLER)
+    seed: int = RULER_CALIBRATION_SEED
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.prompts < 1:
+            raise ValueError(f"prompts: must be >= 1, got {self.prompts}")
+        if not self.context_lengths or not self.placements or not self.variants:
+            raise ValueError("context_lengths, variants and placements must not be empty")
+        if any(task not in _SINGLE_ANSWER for task, _ in self.variants):
+            raise ValueError("variants: calibration copies one needle value (niah single/multikey)")
+
+    @property
+    def total_prompts(self) -> int:
+        return (self.prompts * len(self.context_lengths) * len(self.variants)
+                * len(self.placements))
+
+
+_SINGLE_ANSWER = (ruler.Task.NIAH_SINGLE, ruler.Task.NIAH_MULTIKEY)
+
+
+def ruler_calibration_prompts(
+    tokenizer: TextTokenizer, config: RulerCalibrationConfig
+) -> list[ruler.RulerPrompt]:
+    """Deterministic RULER prompts for `config.seed`, in (length, variant, placement, index)
+    order; the depth of prompt i of n is (i + 0.5) / n."""
+    count = config.prompts
+    return [
+        ruler.build_prompt(tokenizer, ruler.PromptSpec(
+            task, haystack, placement, length, depth=(index + 0.5) / count,
+            seed=config.seed + 100_000 * v + 10 * length + index,
+        ))
+        for length in config.context_lengths
+        for v, (task, haystack) in enumerate(config.variants)
+        for placement in config.placements
+        for index in range(count)
+    ]
+
+
+def ruler_prompt_hits(
+    loaded: LoadedModel, prompt: ruler.RulerPrompt, chunk_size: int = 512
+) -> PromptHits:
+    """Prefill prompt + teacher-forced answer (the token before the value, then its digits);
+    per answer digit, whether each query head's top attention lands on the needle's digit."""
+    (start, stop), = [s for s, n in zip(prompt.value_spans, prompt.needles, strict=True)
+                      if n.answer]
+    forced = prompt.ids[start - 1 : stop]  # the separator token, then the value's tokens
+    ids = [*prompt.ids, *forced[:-1]]
+    options = PrefillOptions(chunk_size=chunk_size, obs_window=len(forced))
+    result = prefill(loaded.model, ids, options)
+    top = result.observation.argmax(dim=-1)  # [L, H_q, W]: W = queries predicting `forced`
+    targets = torch.arange(start, stop)  # [n] needle position of each value token
+    hits = (top[:, :, 1:] == targets).float().mean(dim=-1)  # [L, H_q] share of value tokens
+    return PromptHits(hits, int(result.logits.argmax()) == forced[-1])
+
+
+def calibrate_ruler(
+    loaded: LoadedModel,
+    config: RulerCalibrationConfig,
+    checkpoint_digest: str,
+    advance: Callable[[], None] | None = None,
+) -> HeadProfile:
+    """Retrieval scores of every head over `config`'s RULER prompts."""
+    prompts = ruler_calibration_prompts(loaded.require_tokenizer(), config)
+    hits = [functools.partial(ruler_prompt_hits, loaded, p, config.chunk_size) for p in prompts]
+    provenance = ProfileProvenance(
+        method=RULER_METHOD, prompts=len(prompts), seed=config.seed,
+        context_lengths=config.context_lengths,
+        placements=tuple(p.value for p in config.placements),
+        distractors=ruler.MULTIKEY_NEEDLES - 1, checkpoint_sha256=checkpoint_digest,
+        answer_accuracy=0.0,
+    )
+    return _profile(loaded, hits, provenance, advance)
+
+
+def _profile(
+    loaded: LoadedModel,
+    measure: Sequence[Callable[[], PromptHits]],
+    provenance: ProfileProvenance,
+    advance: Callable[[], None] | None,
+) -> HeadProfile:
+    """Mean hits over the prompts -> the profile (query heads, and K/V heads by group mean)."""
     shape = (loaded.config.num_layers, loaded.config.num_q_heads)
     hits = torch.zeros(shape, dtype=torch.float64)  # [L, H_q]
     answered = 0
-    for prompt in prompts:
-        result = prompt_hits(loaded, prompt, config.chunk_size)
+    for one in measure:
+        result = one()
         hits += result.hits
         answered += result.answered
         if advance is not None:
             advance()
-    query_head = (hits / len(prompts)).to(torch.float32)  # [L, H_q]
-    provenance = ProfileProvenance(
-        method=METHOD,
-        prompts=len(prompts),
-        seed=config.seed,
-        context_lengths=config.context_lengths,
-        placements=tuple(p.value for p in config.placements),
-        distractors=config.distractors,
-        checkpoint_sha256=checkpoint_digest,
-        answer_accuracy=answered / len(prompts),
-    )
+    query_head = (hits / len(measure)).to(torch.float32)  # [L, H_q]
     kv_head = owner_scores(query_head, loaded.config.q_to_kv_head_map)
+    provenance = replace(provenance, answer_accuracy=answered / len(measure))
     return HeadProfile(kv_head.contiguous(), query_head.contiguous(), provenance)
 
 
-def run(checkpoint: Path, config: CalibrationConfig, threads: int | None = None) -> HeadProfile:
-    """`kvrelay calibrate`: measure, write `headkv_profile.safetensors` beside the checkpoint,
-    print the scores and the digests a HeadKV manifest names."""
+def speaks_needle_language(tokenizer: TextTokenizer) -> bool:
+    """Whether the tokenizer is the demo checkpoint's needle language (one token per word)."""
+    fact = needle.build_prompt(64, 0.5, needle.Placement.END, seed=0).text
+    ids = tokenizer.encode(fact, add_special_tokens=False)
+    return len(ids) == len(fact.split()) and tokenizer.token_id(needle.CODES[0]) is not None
+
+
+def run(
+    checkpoint: Path,
+    config: CalibrationConfig | RulerCalibrationConfig | None = None,
+    threads: int | None = None,
+    out: Path | None = None,
+) -> HeadProfile:
+    """`kvrelay calibrate`: measure (needle language for the demo checkpoint, RULER for text
+    tokenizers, unless `config` says which), write the profile beside the checkpoint (or to
+    `out`), print the scores and the digests a HeadKV manifest names."""
     if threads is not None:
         torch.set_num_threads(threads)
     console = Console()
     loaded = load(checkpoint)
+    if config is None:
+        needle_language = speaks_needle_language(loaded.require_tokenizer())
+        config = CalibrationConfig() if needle_language else RulerCalibrationConfig()
+    digest = checkpoint_sha256(checkpoint)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("calibrating (one prefill per prompt)", total=config.total_prompts)
-        profile = calibrate(
-            loaded, config, checkpoint_sha256(checkpoint), lambda: progress.advance(task)
-        )
-    path = save_profile(checkpoint, profile)
+        tick = lambda: progress.advance(task)  # noqa: E731
+        if isinstance(config, RulerCalibrationConfig):
+            profile = calibrate_ruler(loaded, config, digest, tick)
+        else:
+            profile = calibrate(loaded, config, digest, tick)
+    path = save_profile(checkpoint, profile, out)
     print_profile(console, profile, path)
     return profile
 
