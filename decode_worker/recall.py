@@ -6,6 +6,7 @@ when and what to recall; this module plugs it into the worker.
                          from the host tier or the prefill worker) and its publisher; the
                          offload lease of recallable_remote is kept from then on
     LocalPageFetcher     recallable_local: pages from the host tier that came with the view
+                         (`services.offload.fetchers`)
     RemotePageFetcher    recallable_remote: OffloadService.Recall over gRPC (deadline =
                          recall_timeout_ms), rows over the pair group into this worker's
                          KVReceiver, like the main transfer
@@ -38,8 +39,9 @@ from services.kvpolicy.errors import KVPolicyError
 from services.kvpolicy.manifest import RecoverabilityMode
 from services.kvpolicy.receipt import Receipt
 from services.kvpolicy.state import KVPolicyState
-from services.offload.errors import PageRefInvalid, RecallUnavailable
-from services.offload.pages import OmittedRows, PageRef, RecalledPage
+from services.offload.errors import RecallUnavailable
+from services.offload.fetchers import LocalPageFetcher
+from services.offload.pages import PageRef, RecalledPage
 from services.offload.recall import PageFetcher, RecallSession
 from services.policy import PolicyClient, PolicyUnavailable, StaleGeneration, StatePublication
 from services.policy.types import Phase
@@ -65,19 +67,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # The answer may need a moment past the gRPC deadline to reach this thread.
 _HANDOVER_S = 0.05
-
-
-class LocalPageFetcher:
-    """Pages of the omitted rows that travelled with the view (`recallable_local`)."""
-
-    def __init__(self, rows: OmittedRows) -> None:
-        self._rows = rows
-
-    def __call__(self, refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
-        try:
-            return [self._rows.page(ref, f"pages[{i}]") for i, ref in enumerate(refs)]
-        except PageRefInvalid as exc:
-            raise RecallUnavailable(f"the host tier holds no such page: {exc}") from None
 
 
 class RemotePageFetcher:

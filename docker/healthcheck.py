@@ -42,7 +42,7 @@ def served_command(cmdline: Sequence[str]) -> tuple[str, list[str]]:
 def listen_address(role: str, args: Sequence[str]) -> str:
     """host:port that `kvrelay serve ROLE ARGS` listens on, resolved by the CLI's own parser
     (flags, then `KVRELAY_<ROLE>_*` environment variables, then defaults)."""
-    from services.cli import app
+    from kvrelay.cli import app
 
     serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
     if role not in serve.commands:

@@ -20,13 +20,3 @@ class ManifestUnsupported(rpc_errors.InvalidArgument):
     recoverability mode that needs an offload tier). `field` names the manifest field."""
 
     reason = common_pb2.ERROR_REASON_MANIFEST_INVALID
-
-
-class HeadProfileUnavailable(rpc_errors.FailedPrecondition):
-    """A HeadKV manifest names an importance profile (`selection.allocation.headkv_profile_sha256`)
-    that this worker's checkpoint does not carry: no `headkv_profile.safetensors` beside it, or
-    one with other values. FAILED_PRECONDITION, not INVALID_ARGUMENT: the manifest and the
-    request are valid and stay valid; what is missing is this worker's state (the deployed
-    profile), and the same request succeeds on a worker that serves the matching profile."""
-
-    reason = common_pb2.ERROR_REASON_UNSPECIFIED  # no proto reason for a missing artifact yet

@@ -23,16 +23,15 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from prefill_worker.errors import DecodeWorkerUnavailable
-from prefill_worker.offload import OffloadTier
+from prefill_worker.offload import OffloadTier, Packed
 from prefill_worker.wire import PrefillCall
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
-from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
 from services.telemetry import metrics
 from services.telemetry.spans import inject_context
 from services.transfer import (
@@ -47,15 +46,13 @@ from services.transfer import (
     TransferDescriptor,
     TransferError,
     TransferKey,
+    TransferTimeout,
     ViewHandoff,
     ViewLayout,
     layer_of,
 )
 from services.transfer.codec import handoff_to_proto
 from services.transfer.pairgroup import backend_for
-
-if TYPE_CHECKING:
-    from prefill_worker.pipeline import Packed
 
 _MIN_CALL_S = 0.001
 
@@ -177,12 +174,20 @@ class DecodeHandoff:
 
     async def _reserve(self, key: TransferKey, endpoint: Endpoint, deadline: Deadline) -> PairLease:
         # Reserving may wait on the decode worker's store, so it runs on a thread; if the
-        # call is cancelled meanwhile, the lease it still returns is given back.
+        # call is cancelled meanwhile, the lease it still returns is given back. A stopped
+        # (not dead) decode worker never answers its store and the store client ignores its
+        # own timeout then, so the wait is bounded here like any other control call.
         reserving = asyncio.ensure_future(
             asyncio.to_thread(self.sender.reserve, key, endpoint.rendezvous_address, self._device, deadline)
         )
+        timeout_s = self._call_timeout(deadline)
         try:
-            return await asyncio.shield(reserving)
+            return await asyncio.wait_for(asyncio.shield(reserving), timeout_s)
+        except TimeoutError:
+            reserving.add_done_callback(self._give_back)
+            store = endpoint.rendezvous_address
+            silent = f"rendezvous store {store} did not answer within {timeout_s:.3g} s"
+            raise TransferTimeout(key, silent) from None
         except asyncio.CancelledError:
             reserving.add_done_callback(self._give_back)
             raise
@@ -217,6 +222,7 @@ class DecodeHandoff:
     ) -> ViewHandoff:
         """The view offered to the decode worker, bound to `packed.receipt`."""
         receipt, offload = packed.receipt, packed.offload
+        owner_budgets, payload = receipt.view_bindings()
         return ViewHandoff(
             descriptor=descriptor,
             manifest_sha256=receipt.manifest_sha256,
@@ -228,6 +234,8 @@ class DecodeHandoff:
             max_tokens=call.max_tokens,
             prompt_tokens=call.prompt_tokens,
             ledger=packed.ledger,
+            owner_budgets=owner_budgets,
+            payload=payload,
             deadline_unix_ms=int((time.time() + deadline.remaining()) * 1000),
             offload=OffloadRef(
                 mode=offload.mode,
@@ -252,7 +260,7 @@ class DecodeHandoff:
     def _stub(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options(self._max_message_bytes))
+            channel = grpc.aio.insecure_channel(address, options=client_channel_options(self._max_message_bytes))
             self._channels[address] = channel
         return decode_pb2_grpc.DecodeWorkerStub(channel)
 

@@ -1,6 +1,6 @@
 """The offload stage: omitted rows -> offload tier, with page summaries (DESIGN §2 step 7).
 
-    plan = offload_plan(manifest, source_k, source_v, positions)   # pure: pages, rows
+    plan = offload_plan(manifest, source_k, source_v, positions)   # pure (services.offload.plan)
     offloaded = tier.hold(call, plan, state_generation)            # the store, or not
 
 Per manifest mode, what a request's omitted rows become:
@@ -27,15 +27,16 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from prefill_worker.wire import PrefillCall
+from services.kvpolicy.compress import Compressed
 from services.kvpolicy.ledger import Ledger, with_host_tier, with_page_summaries
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest, RecoverabilityMode
-from services.offload.pages import OmittedRows, PageSummaries, gather_omitted, summarize_pages
+from services.kvpolicy.manifest import RecoverabilityMode
+from services.kvpolicy.packing import PackedKVView
+from services.kvpolicy.receipt import Receipt
+from services.kvpolicy.state import KVPolicyState
+from services.offload.plan import OffloadPlan
 from services.offload.store import OffloadStore, OffloadStoreConfig, Refused, Stored, StoreKey
 from services.telemetry import metrics
 from services.telemetry.spans import annotate
@@ -44,15 +45,6 @@ from services.transfer import Sidecar
 log = logging.getLogger(__name__)
 
 IRRECOVERABLE = RecoverabilityMode.OMITTED_IRRECOVERABLE
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """The omitted rows of one request, paged: their summaries and the rows themselves."""
-
-    mode: RecoverabilityMode
-    summaries: PageSummaries
-    rows: OmittedRows
 
 
 @dataclass(frozen=True)
@@ -78,22 +70,22 @@ class Offloaded:
 NOT_OFFLOADED = Offloaded()
 
 
-def offload_plan(
-    manifest: KVVisibilityPolicyManifest,
-    source_k: torch.Tensor,
-    source_v: torch.Tensor,
-    positions: Sequence[Sequence[Sequence[int]]],
-) -> OffloadPlan | None:
-    """Page the rows `positions` omits from `source_k`/`source_v` `[L, H_kv, T, d_h]`:
-    summaries (page size from the manifest) and the rows in host memory. None when the
-    manifest declares omitted rows irrecoverable."""
-    contract = manifest.recoverability
-    if not contract.recallable or contract.page_size is None:
-        return None
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
-    summaries = summarize_pages(source_k, positions, contract.page_size, owner_map)
-    rows = gather_omitted(source_k, source_v, summaries, owner_map)
-    return OffloadPlan(contract.mode, summaries, rows)
+@dataclass(frozen=True)
+class Packed:
+    """A compressed prompt after the offload stage: the packed view and everything bound to it
+    (the state it realizes, its receipt), its ledger charged with what travels besides the
+    view, and where its omitted rows went. What the send stage moves."""
+
+    view: PackedKVView
+    state: KVPolicyState
+    receipt: Receipt
+    ledger: Ledger
+    offload: Offloaded = NOT_OFFLOADED
+
+    @classmethod
+    def of(cls, compressed: Compressed, offload: Offloaded = NOT_OFFLOADED) -> Packed:
+        ledger = offload.ledger(compressed.ledger)
+        return cls(compressed.view, compressed.state, compressed.receipt, ledger, offload)
 
 
 class UnknownHandoff(LookupError):

@@ -1,49 +1,43 @@
-"""The prefill pipeline: forward → score → allocate → select → pack → offload → publish → send.
+"""The prefill pipeline, as its table of contents:
 
-The first five stages are functions over the model runtime and the pure kvpolicy core
-(blocking torch work, which `PrefillPipeline` runs on its compute threads, never on the
-event loop). `publish` is the compare-and-publish of state 1 (parent 0) in the policy
-service; `send` hands the packed view to the decode worker (`prefill_worker.handoff`).
-Each stage is one call and one span (DESIGN §8 names them).
+    forward   the prompt through the model, output token 0 sampled   (services.model)
+    compress  score → allocate → select → pack                       (services.kvpolicy.compress)
+    offload   omitted rows → offload tier, with page summaries        (prefill_worker.offload)
+    publish   compare-and-publish of state 1 (parent 0)              (the policy service)
+    send      the packed view to the decode worker                   (prefill_worker.handoff)
+
+Forward, compress and the offload plan are blocking torch work, which `PrefillPipeline` runs on
+its compute threads, never on the event loop. Each stage is one span (DESIGN §8 names them;
+compress opens one per inner stage).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-import torch
+from opentelemetry import trace
 
-from prefill_worker.errors import HeadProfileUnavailable
 from prefill_worker.handoff import Handoff
-from prefill_worker.offload import NOT_OFFLOADED, Offloaded, OffloadTier, offload_plan
+from prefill_worker.offload import OffloadTier, Packed
 from prefill_worker.wire import PrefillCall
-from services.evaluation.profile import PROFILE_FILE, HeadProfile
-from services.kvpolicy import allocation, packing, snapkv
-from services.kvpolicy.allocation import BudgetGrid
-from services.kvpolicy.ledger import Ledger, ledger_for
-from services.kvpolicy.manifest import AllocationMethod, KVVisibilityPolicyManifest, SelectionMethod
-from services.kvpolicy.packing import PackedKVView
-from services.kvpolicy.receipt import Receipt, make_receipt
-from services.kvpolicy.state import KVPolicyState, PositionGrid
-from services.kvpolicy.static import static_protected_positions, static_selection
-from services.model import LoadedModel, PrefillOptions, PrefillResult, sample
-from services.model import prefill as model_prefill
+from services.kvpolicy.compress import Compressed, StateIdentity, compress, observation_window
+from services.kvpolicy.head_profile import HeadProfile, profile_tensor
+from services.kvpolicy.ledger import Ledger
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest
+from services.model import LoadedModel, PrefillOptions, PromptForward, forward_prompt
+from services.offload.plan import offload_plan
 from services.policy import Fence, Phase, PolicyClient, StaleGeneration, StatePublication
 from services.telemetry import metrics
 from services.telemetry.spans import span
 from services.transfer import Deadline
-
-# The first published state of a request: successor of the empty state 0, holding the
-# prompt's cache image (cache generation 1); decode-side appends advance it from there.
-FIRST_STATE_GENERATION = 1
-FIRST_CACHE_GENERATION = 1
 
 Result = TypeVar("Result")
 
@@ -55,39 +49,9 @@ class PrefillJob:
     call: PrefillCall
     manifest: KVVisibilityPolicyManifest
 
-
-@dataclass(frozen=True)
-class Forward:
-    """The prompt forward and the first output token, sampled from its last logits."""
-
-    result: PrefillResult
-    first_token: int
-
     @property
-    def prompt_len(self) -> int:
-        return self.result.prompt_length
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Retained positions `[L][H_owner]`, the protected positions every owner keeps, and the
-    prefix budgets they were selected under (None for static policies)."""
-
-    positions: PositionGrid
-    protected: tuple[int, ...]
-    budgets: BudgetGrid | None
-
-
-@dataclass(frozen=True)
-class Packed:
-    """The packed view and everything bound to it: the state it realizes, its receipt, its ledger,
-    and where its omitted rows went (`offload`: what travels besides the view, or nothing)."""
-
-    view: PackedKVView
-    state: KVPolicyState
-    receipt: Receipt
-    ledger: Ledger
-    offload: Offloaded = NOT_OFFLOADED
+    def identity(self) -> StateIdentity:
+        return StateIdentity(self.call.request_id, self.call.request_generation)
 
 
 @dataclass(frozen=True)
@@ -102,101 +66,10 @@ class PrefillOutcome:
     prefill_ms: float
 
 
-def observation_window(manifest: KVVisibilityPolicyManifest) -> int:
-    """W_obs the manifest scores with (0 for static policies: nothing to capture)."""
-    params = manifest.selection.snapkv
-    return params.observation_window if params is not None else 0
-
-
-def uses_scores(manifest: KVVisibilityPolicyManifest) -> bool:
-    return manifest.selection.method is SelectionMethod.SNAPKV
-
-
-def forward(model: LoadedModel, job: PrefillJob, chunk_size: int) -> Forward:
-    """Full prompt forward with observation capture, then sample output token 0."""
+def forward(model: LoadedModel, job: PrefillJob, chunk_size: int) -> PromptForward:
+    """Full prompt forward, capturing the observation window the manifest scores with."""
     options = PrefillOptions(chunk_size=chunk_size, obs_window=observation_window(job.manifest))
-    result = model_prefill(model.model, job.call.prompt_ids, options)
-    first = sample(result.logits[None], [job.call.sampling], [0])  # [1]
-    return Forward(result, int(first[0]))
-
-
-def score(manifest: KVVisibilityPolicyManifest, fwd: Forward) -> torch.Tensor | None:
-    """SnapKV owner scores `[L, H_owner, T - W_obs]`; None for static policies."""
-    if not uses_scores(manifest):
-        return None
-    return snapkv.score(manifest, fwd.result.observation, fwd.prompt_len)
-
-
-def allocate(
-    manifest: KVVisibilityPolicyManifest,
-    prompt_len: int,
-    scores: torch.Tensor | None,
-    profile: HeadProfile | None = None,
-) -> BudgetGrid | None:
-    """Integer prefix budgets `[L][H_owner]`, exactly conserved; None for static policies.
-    `profile` is the HeadKV profile beside the served checkpoint (if any)."""
-    if scores is None:
-        return None
-    return allocation.allocate(manifest, prompt_len, scores, head_profile(manifest, profile))
-
-
-def head_profile(
-    manifest: KVVisibilityPolicyManifest, profile: HeadProfile | None
-) -> torch.Tensor | None:
-    """The importance tensor `[L, H_owner]` a HeadKV manifest names by digest; None for other
-    allocation methods. HeadProfileUnavailable when the checkpoint carries no such profile."""
-    spec = manifest.selection.allocation
-    wanted = spec.headkv_profile_sha256 if spec is not None else None
-    if spec is None or spec.method is not AllocationMethod.HEADKV or wanted is None:
-        return None
-    tensor = profile.tensor_for(wanted) if profile is not None else None
-    if tensor is None:
-        found = f"its profile is {profile.sha256}" if profile else f"it has no {PROFILE_FILE}"
-        raise HeadProfileUnavailable(
-            f"the served checkpoint has no profile {wanted} ({found})",
-            field="selection.allocation.headkv_profile_sha256",
-        )
-    return tensor
-
-
-def select(
-    manifest: KVVisibilityPolicyManifest,
-    prompt_len: int,
-    scores: torch.Tensor | None,
-    budgets: BudgetGrid | None,
-) -> Selection:
-    """SnapKV top-budget rows plus protected sinks and observation suffix, or the static set."""
-    if scores is None or budgets is None:
-        return Selection(
-            static_selection(manifest, prompt_len),
-            static_protected_positions(manifest.selection, prompt_len),
-            None,
-        )
-    return Selection(
-        snapkv.select(manifest, scores, budgets, prompt_len),
-        snapkv.protected_positions(manifest, prompt_len),
-        budgets,
-    )
-
-
-def pack(job: PrefillJob, fwd: Forward, selection: Selection) -> Packed:
-    """Gather the retained rows, bind them to state 1 with a receipt, and account the bytes."""
-    manifest = job.manifest
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
-    view = packing.pack(fwd.result.source_k, fwd.result.source_v, selection.positions, owner_map)
-    state = KVPolicyState(
-        request_id=job.call.request_id,
-        manifest_sha256=manifest.sha256,
-        request_generation=job.call.request_generation,
-        state_generation=FIRST_STATE_GENERATION,
-        parent_state_generation=FIRST_STATE_GENERATION - 1,
-        cache_generation=FIRST_CACHE_GENERATION,
-        frontier=fwd.prompt_len,
-        selected_positions=selection.positions,
-        protected_positions=selection.protected,
-    )
-    receipt = make_receipt(manifest, state, view)
-    return Packed(view, state, receipt, ledger_for(manifest, fwd.prompt_len, selection.positions))
+    return forward_prompt(model.model, job.call.prompt_ids, job.call.sampling, options)
 
 
 async def publish(policy: PolicyClient, job: PrefillJob, packed: Packed, worker_id: str) -> Fence:
@@ -296,22 +169,17 @@ class PrefillPipeline:
         self._compute = ThreadPoolExecutor(compute_threads, thread_name_prefix="prefill-compute")
 
     async def run(self, job: PrefillJob, call_deadline: Deadline | None = None) -> PrefillOutcome:
-        """forward → score → allocate → select → pack → offload → publish → send. The send stage gets
+        """forward → compress → offload → publish → send. The send stage gets
         `transfer_timeout_s`, cut short by the caller's deadline."""
         started = time.perf_counter()
-        manifest = job.manifest
-        fwd = await self._blocking("prefill.forward", forward, self.model, job, self._chunk_size)
-        scores = await self._blocking("kv.score", score, manifest, fwd)
-        budgets = await self._blocking(
-            "kv.allocate", allocate, manifest, fwd.prompt_len, scores, self.profile
-        )
-        selection = await self._blocking("kv.select", select, manifest, fwd.prompt_len, scores, budgets)
-        packed = await self._blocking("kv.pack", pack, job, fwd, selection)
-        packed = await self._offload(job, fwd, selection, packed)
-        count_rows(manifest.name, packed.ledger)
-        with span("policy.publish", **state_attributes(job, packed)), self._timed("policy.publish"):
+        with self._stage("prefill.forward"):
+            fwd = await self._compute_on_thread(forward, self.model, job, self._chunk_size)
+        compressed = await self._compute_on_thread(self._compress, job, fwd)
+        packed = await self._offload(job, fwd, compressed)
+        count_rows(job.manifest.name, packed.ledger)
+        with self._stage("policy.publish", **state_attributes(job, packed)):
             fence = await publish(self._policy, job, packed, self._worker_id)
-        with span("transfer.send", **send_attributes(job, packed)) as current, self._timed("transfer.send"):
+        with self._stage("transfer.send", **send_attributes(job, packed)) as current:
             handoff = await self._sender.send(job.call, fwd.first_token, packed, self._send_deadline(call_deadline))
             current.set_attributes({"bytes_moved": handoff.bytes_moved, "reserved_bytes": handoff.reserved_bytes,
                                     "transfer_id": handoff.descriptor.transfer_id})
@@ -321,27 +189,36 @@ class PrefillPipeline:
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
 
-    async def _offload(self, job: PrefillJob, fwd: Forward, selection: Selection, packed: Packed) -> Packed:
+    def _compress(self, job: PrefillJob, fwd: PromptForward) -> Compressed:
+        """The compression core on a compute thread, each inner stage in its own span."""
+        profile = profile_tensor(job.manifest, self.profile)
+        return compress(job.manifest, fwd.result, job.identity, profile=profile, observe=self._stage)
+
+    async def _offload(self, job: PrefillJob, fwd: PromptForward, compressed: Compressed) -> Packed:
         """Omitted rows → offload tier with their page summaries; the ledger charges what travels."""
-        result = fwd.result
-        mode = job.manifest.recoverability.mode.value
-        with span("kv.offload", request_id=job.call.request_id, mode=mode) as current, self._timed("kv.offload"):
-            loop = asyncio.get_running_loop()
-            plan = await loop.run_in_executor(self._compute, functools.partial(
-                offload_plan, job.manifest, result.source_k, result.source_v, selection.positions))
-            held = self.offload.hold(job.call, plan, packed.state.state_generation)
+        result, positions = fwd.result, compressed.selection.positions
+        with self._stage("kv.offload", request_id=job.call.request_id,
+                         mode=job.manifest.recoverability.mode.value) as current:
+            plan = await self._compute_on_thread(
+                offload_plan, job.manifest, result.source_k, result.source_v, positions)
+            held = self.offload.hold(job.call, plan, compressed.state.state_generation)
             current.set_attributes({"travels": held.mode.value, "degraded": held.degraded,
                                     "page_summary_bytes": held.sidecar.summaries.nbytes if held.sidecar else 0})
-        return replace(packed, ledger=held.ledger(packed.ledger), offload=held)
+        return Packed.of(compressed, held)
 
-    async def _blocking(self, name: str, stage: Callable[..., Result], *args: object) -> Result:
-        with span(name), self._timed(name):
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._compute, functools.partial(stage, *args))
+    async def _compute_on_thread(self, stage: Callable[..., Result], *args: object) -> Result:
+        """Run a blocking stage on a compute thread, in this task's context (its spans nest
+        under the request's)."""
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(self._compute, functools.partial(context.run, stage, *args))
 
     @staticmethod
-    def _timed(stage: str) -> contextlib.AbstractContextManager[None]:
-        return metrics.timed(metrics.PREFILL_STAGE.labels(stage))
+    @contextlib.contextmanager
+    def _stage(name: str, **attributes: object) -> Iterator[trace.Span]:
+        """One stage: a span and the stage-latency histogram."""
+        with span(name, **attributes) as current, metrics.timed(metrics.PREFILL_STAGE.labels(name)):
+            yield current
 
     def _send_deadline(self, call_deadline: Deadline | None) -> Deadline:
         budget = self._transfer_timeout_s

@@ -6,7 +6,7 @@ needle question, a head *retrieves* at an answer token when its top attention (a
 context) lands on the needle token being copied. A head's score is the share of answer tokens
 at which it retrieves.
 
-In the needle language (`services.model.needle`) the answer is one code token, predicted by the
+In the needle language (`services.demo.needle`) the answer is one code token, predicted by the
 query at the cue `:` that closes the prompt, and the token being copied is the code inside the
 target fact (`the code of <name> is <code> .`). One full-cache prefill with an observation
 window of 1 captures exactly that query's attention `[L, H_q, 1, T]`, so every prompt costs one
@@ -38,8 +38,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from services.demo import needle
 from services.evaluation import ruler
-from services.evaluation.profile import (
+from services.kvpolicy.head_profile import (
     HeadProfile,
     ProfileProvenance,
     checkpoint_sha256,
@@ -47,7 +48,7 @@ from services.evaluation.profile import (
 )
 from services.kvpolicy.manifest import GQAReduction
 from services.kvpolicy.snapkv import reduce_gqa
-from services.model import InvalidModelInput, LoadedModel, PrefillOptions, load, needle, prefill
+from services.model import InvalidModelInput, LoadedModel, PrefillOptions, load, prefill
 from services.model.tokenizer import TextTokenizer
 
 METHOD = "retrieval-top1"

@@ -1,11 +1,12 @@
 """In-process compressed generation: the prefill worker's stages, then the decode worker's path.
 
-`compress` runs forward → score → allocate → select → pack with the very functions of
-`prefill_worker.pipeline`; `admit` puts the packed view into a runtime `DecodeCache` the way
-the decode worker's scheduler does (one request, owners per the manifest's GQA reduction);
-`decode` continues from the prefill's first token with `decode_step` and `sample`.
-Nothing crosses a process: no policy service, no transfer. Quality measured here is the
-quality a served request gets.
+`compress_prompt` runs the prompt forward and the compression core
+(`services.kvpolicy.compress`: score → allocate → select → pack), exactly as the prefill
+worker does; `admit` puts the packed view into a runtime `DecodeCache` the way the decode
+worker's scheduler does (one request, owners per the manifest's GQA reduction); `decode`
+continues from the prefill's first token with `decode_step` and `sample`. Nothing crosses a
+process: no policy service, no transfer. Quality measured here is the quality a served
+request gets.
 """
 
 from __future__ import annotations
@@ -15,20 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from prefill_worker.pipeline import (
-    Forward,
-    Packed,
-    PrefillJob,
+from services.kvpolicy.compress import (
+    Compressed,
     Selection,
-    allocate,
-    forward,
+    StateIdentity,
+    compress,
     observation_window,
-    pack,
-    score,
-    select,
 )
-from prefill_worker.wire import DecodeTarget, PrefillCall
-from services.evaluation.profile import HeadProfile
+from services.kvpolicy.head_profile import HeadProfile, profile_tensor
 from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.kvpolicy.packing import PackedKVView
@@ -36,32 +31,38 @@ from services.model import (
     DecodeCache,
     InvalidModelInput,
     LoadedModel,
+    PrefillOptions,
+    PromptForward,
     SamplingParams,
     decode_step,
     finish_reason,
+    forward_prompt,
     sample,
 )
 
 REQUEST_ID = "in-process"
-_LOCAL_DECODE = DecodeTarget("in-process:0", "in-process")
+IN_PROCESS = StateIdentity(REQUEST_ID, request_generation=1)
 
 
 @dataclass(frozen=True)
 class CompressedPrompt:
-    """A prompt after the prefill stages: its forward, the selection and the packed view."""
+    """A prompt after the prefill stages: its forward and its compression."""
 
     manifest: KVVisibilityPolicyManifest
-    forward: Forward
-    selection: Selection
-    packed: Packed
+    forward: PromptForward
+    compressed: Compressed
+
+    @property
+    def selection(self) -> Selection:
+        return self.compressed.selection
 
     @property
     def view(self) -> PackedKVView:
-        return self.packed.view
+        return self.compressed.view
 
     @property
     def ledger(self) -> Ledger:
-        return self.packed.ledger
+        return self.compressed.ledger
 
 
 @dataclass(frozen=True)
@@ -80,26 +81,19 @@ class CompressedGeneration:
         return self.prompt.ledger
 
 
-def prefill_job(
+def forward_for(
+    loaded: LoadedModel,
     manifest: KVVisibilityPolicyManifest,
     prompt_ids: Sequence[int],
-    max_new_tokens: int = 1,
     sampling: SamplingParams = SamplingParams(),
-) -> PrefillJob:
-    """The job a gateway would send for this prompt (request generation 1, in-process target)."""
-    call = PrefillCall(
-        request_id=REQUEST_ID,
-        request_generation=1,
-        prompt_ids=tuple(int(t) for t in prompt_ids),
-        sampling=sampling,
-        max_tokens=max(max_new_tokens, 1),
-        manifest_sha256=manifest.sha256,
-        decode=_LOCAL_DECODE,
-    )
-    return PrefillJob(call, manifest)
+    chunk_size: int = 512,
+) -> PromptForward:
+    """The prompt forward the prefill worker runs for `manifest` (its observation window)."""
+    options = PrefillOptions(chunk_size=chunk_size, obs_window=observation_window(manifest))
+    return forward_prompt(loaded.model, [int(t) for t in prompt_ids], sampling, options)
 
 
-def compress(
+def compress_prompt(
     loaded: LoadedModel,
     manifest: KVVisibilityPolicyManifest,
     prompt_ids: Sequence[int],
@@ -107,20 +101,18 @@ def compress(
     *,
     sampling: SamplingParams = SamplingParams(),
     chunk_size: int = 512,
-    shared_forward: Forward | None = None,
+    shared_forward: PromptForward | None = None,
 ) -> CompressedPrompt:
     """forward → score → allocate → select → pack, as the prefill worker runs them.
 
     `shared_forward` reuses one prompt forward for several manifests (the quality sweep): it
     must have captured this manifest's observation window (static policies need none).
     """
-    job = prefill_job(manifest, prompt_ids, sampling=sampling)
-    fwd = shared_forward or forward(loaded, job, chunk_size)
-    _check_forward(manifest, fwd, job.call.prompt_tokens)
-    scores = score(manifest, fwd)
-    budgets = allocate(manifest, fwd.prompt_len, scores, head_profile)
-    selection = select(manifest, fwd.prompt_len, scores, budgets)
-    return CompressedPrompt(manifest, fwd, selection, pack(job, fwd, selection))
+    fwd = shared_forward or forward_for(loaded, manifest, prompt_ids, sampling, chunk_size)
+    _check_forward(manifest, fwd, len(prompt_ids))
+    profile = profile_tensor(manifest, head_profile)
+    compressed = compress(manifest, fwd.result, IN_PROCESS, profile=profile)
+    return CompressedPrompt(manifest, fwd, compressed)
 
 
 def admit(loaded: LoadedModel, prompt: CompressedPrompt, extra_rows: int = 1) -> DecodeCache:
@@ -176,7 +168,7 @@ def compressed_generate(
     """
     if max_new_tokens < 0:
         raise InvalidModelInput("max_new_tokens", "must be >= 0")
-    prompt = compress(
+    prompt = compress_prompt(
         loaded, manifest, prompt_ids, head_profile, sampling=sampling, chunk_size=chunk_size
     )
     if max_new_tokens == 0:
@@ -186,7 +178,9 @@ def compressed_generate(
     return CompressedGeneration(tuple(tokens), prompt)
 
 
-def _check_forward(manifest: KVVisibilityPolicyManifest, fwd: Forward, prompt_len: int) -> None:
+def _check_forward(
+    manifest: KVVisibilityPolicyManifest, fwd: PromptForward, prompt_len: int
+) -> None:
     if fwd.prompt_len != prompt_len:
         raise InvalidModelInput(
             "shared_forward", f"covers {fwd.prompt_len} tokens, the prompt has {prompt_len}"

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefill_worker.pipeline import Forward, forward
-from services.evaluation.generation import admit, compress, feed, prefill_job
+from services.demo import needle
+from services.demo.evaluate import HELD_OUT_SEED
+from services.evaluation.generation import admit, compress_prompt, feed, forward_for
 from services.evaluation.policies import PolicyCell, SnapKVShape, policy_grid
-from services.evaluation.profile import HeadProfile
+from services.kvpolicy.head_profile import HeadProfile
 from services.kvpolicy.manifest import AllocationMethod, GQAReduction
-from services.model import InvalidModelInput, LoadedModel, needle
-from services.model.evaluate import HELD_OUT_SEED
+from services.model import InvalidModelInput, LoadedModel, PromptForward
 
 CUE_TOKENS = needle.CUE_TOKENS
 
@@ -115,12 +115,12 @@ def answer_under(
     cell: PolicyCell,
     prefix: Sequence[int],
     cue: Sequence[int],
-    shared: Forward,
+    shared: PromptForward,
     profile: HeadProfile | None,
 ) -> tuple[int, int]:
     """The greedy answer after the cue, decoded over the prefix packed under `cell`'s manifest,
     and the rows that view retains."""
-    compressed = compress(loaded, cell.manifest, prefix, profile, shared_forward=shared)
+    compressed = compress_prompt(loaded, cell.manifest, prefix, profile, shared_forward=shared)
     cache = admit(loaded, compressed, extra_rows=len(cue))
     logits = feed(loaded, cache, cue)  # [V]
     return int(logits.argmax()), compressed.ledger.visible_rows
@@ -139,7 +139,7 @@ def evaluate_prompt(
         config.reductions, profile, config.shape,
     )
     probe = next((c.manifest for c in cells if c.family == "snapkv"), cells[0].manifest)
-    shared = forward(loaded, prefill_job(probe, prefix), config.chunk_size)
+    shared = forward_for(loaded, probe, prefix, chunk_size=config.chunk_size)
     full_rows = loaded.config.num_layers * loaded.config.num_kv_heads * len(prefix)
     trials = []
     for cell in cells:

@@ -19,7 +19,7 @@ from services.evaluation import report
 from services.evaluation.calibrate import CalibrationConfig, calibrate
 from services.evaluation.needle_eval import SweepConfig, Trial, run_sweep
 from services.evaluation.needs import require
-from services.evaluation.profile import HeadProfile, checkpoint_sha256, load_profile
+from services.kvpolicy.head_profile import HeadProfile, checkpoint_sha256, load_profile
 from services.model import LoadedModel, load
 
 # Full: about 9 minutes of sweep on one CPU thread for the 4-layer demo checkpoint (measured

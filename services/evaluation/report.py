@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.demo import needle
 from services.evaluation.needle_eval import Trial
 from services.evaluation.needs import require
-from services.model import needle
 
 FULL = "full"
 

@@ -3,7 +3,7 @@
 Protocol per prompt (`ruler.RulerPrompt`). The prefix (the prompt without its cue: template
 tail and answer prefix) is prefilled once with the prefill worker's `forward`, capturing the
 SnapKV observation window. Every policy runs score → allocate → select → pack on that one
-forward (`generation.compress`, `shared_forward`); the packed views are admitted to decode
+forward (`generation.compress_prompt`, `shared_forward`); the packed views are admitted to decode
 caches as the decode worker admits them; the cue is decoded over each compressed cache
 (teacher-forced) and the answer greedily after it, until EOS / end of turn or the task's
 token limit. No answer token comes from the full prefill, so each policy's cache answers.
@@ -12,7 +12,7 @@ Policies decode side by side, one `DecodeCache` per group (the full cache; the l
 policies, per budget at long contexts; the recallable ones), which is how the decode worker
 batches: a request's attention reads only its own rows (its logits equal a lone decode's up
 to fp32 summation order). Recallable policies page their omitted rows with the prefill
-worker's `offload_plan`; `recallable_remote` rows go into an `OffloadStore` read back by
+worker's `offload_plan` (`services.offload.plan`); `recallable_remote` rows go into an `OffloadStore` read back by
 `StoreFetcher`, `recallable_local` rows stay in the decode side's host tier
 (`LocalPageFetcher`); every cue and answer step of their group runs `decode_with_recall`.
 """
@@ -25,22 +25,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode_worker.recall import LocalPageFetcher
-from prefill_worker.offload import offload_plan
-from prefill_worker.pipeline import Forward, forward
 from services.evaluation import ruler
-from services.evaluation.generation import CompressedPrompt, compress, prefill_job
+from services.evaluation.generation import CompressedPrompt, compress_prompt, forward_for
 from services.evaluation.policies import PolicyCell, SnapKVShape, policy_grid
-from services.evaluation.profile import HeadProfile
+from services.kvpolicy.head_profile import HeadProfile
 from services.kvpolicy.manifest import AllocationMethod, GQAReduction, RecoverabilityMode
 from services.model import (
     DecodeCache,
     LoadedModel,
+    PromptForward,
     SamplingParams,
     finish_reason,
     sample,
 )
-from services.offload.evaluate import StoreFetcher
+from services.offload.fetchers import LocalPageFetcher, StoreFetcher
+from services.offload.plan import offload_plan
 from services.offload.recall import (
     DEFAULT_RECALL_KNOBS,
     RecallKnobs,
@@ -180,7 +179,7 @@ class RulerRunner:
         cells = suite_cells(self.loaded, policies or self.policies, len(prefix), self.profile)
         probe = next((c.cell.manifest for c in cells if c.cell.family == "snapkv"),
                      cells[0].cell.manifest)
-        shared = forward(self.loaded, prefill_job(probe, prefix), self.chunk_size)
+        shared = forward_for(self.loaded, probe, prefix, chunk_size=self.chunk_size)
         requests = [self._request(f"r{i}", cell, prefix, shared) for i, cell in enumerate(cells)]
         try:
             for group in self._groups(requests, len(prefix)):
@@ -190,9 +189,11 @@ class RulerRunner:
                 self.store.release(request.rid)
         return [self._trial(prompt, index, request) for request in requests]
 
-    def _request(self, rid: str, cell: RulerCell, prefix: list[int], shared: Forward) -> _Request:
-        compressed = compress(self.loaded, cell.cell.manifest, prefix, self.profile,
-                              shared_forward=shared)
+    def _request(
+        self, rid: str, cell: RulerCell, prefix: list[int], shared: PromptForward
+    ) -> _Request:
+        compressed = compress_prompt(self.loaded, cell.cell.manifest, prefix, self.profile,
+                                     shared_forward=shared)
         session = self._session(rid, compressed) if cell.recall is not None else None
         return _Request(rid, cell, compressed, session)
 
@@ -202,7 +203,7 @@ class RulerRunner:
         plan = offload_plan(manifest, result.source_k, result.source_v,
                             compressed.selection.positions)
         assert plan is not None, "recall cells carry a recallable manifest"
-        state = dataclasses.replace(compressed.packed.state, request_id=rid)
+        state = dataclasses.replace(compressed.compressed.state, request_id=rid)
         if plan.mode is RecoverabilityMode.RECALLABLE_LOCAL:
             return RecallSession(manifest, plan.summaries, LocalPageFetcher(plan.rows), state=state)
         key = StoreKey(rid, state.request_generation, state.state_generation)

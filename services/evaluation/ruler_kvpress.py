@@ -15,9 +15,9 @@ as kvrelay's, so both engines answer from a compressed cache.
 
 Presses: `SnapKVPress` (window and kernel set to kvrelay's SnapKV shape, so the two differ
 only in arithmetic order and budget rounding, see `kvpress_agreement`),
-`ExpectedAttentionPress` (kvpress defaults) and `AdaKVPress(SnapKVPress)` (alpha 0.2 like
-kvrelay's Ada-KV); `full` is transformers without a press. A kvrelay budget b is kvpress's
-`compression_ratio` 1 - b. KVzip is left out: it replays the context 2-3 times per prefill.
+`ExpectedAttentionPress` (kvpress defaults) and `AdaKVPress(SnapKVPress)` (alpha_safeguard
+0.2, kvrelay's Ada-KV uniform share); `full` is transformers without a press. A kvrelay budget b
+is kvpress's `compression_ratio` 1 - b. KVzip is left out: it replays the context 2-3 times per prefill.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from services.evaluation import ruler
 from services.evaluation.kvpress_agreement import import_kvpress
-from services.evaluation.policies import ADAKV_ALPHA, SnapKVShape
+from services.evaluation.policies import ADAKV_UNIFORM_SHARE, SnapKVShape
 from services.evaluation.ruler_eval import Trial
 from services.model import LoadedModel, PrefillOptions, prefill
 
@@ -51,7 +51,7 @@ def press_factory(shape: SnapKVShape) -> dict[str, Callable[[float], Any]]:
     return {
         "snapkv": snapkv,
         "expected_attention": lambda ratio: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
-        "adakv_snapkv": lambda ratio: kvpress.AdaKVPress(snapkv(ratio), alpha_safeguard=ADAKV_ALPHA),
+        "adakv_snapkv": lambda ratio: kvpress.AdaKVPress(snapkv(ratio), alpha_safeguard=ADAKV_UNIFORM_SHARE),
     }
 
 

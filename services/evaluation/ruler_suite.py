@@ -27,7 +27,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from services.evaluation import ruler, ruler_report
 from services.evaluation.calibrate import RulerCalibrationConfig, calibrate_ruler
 from services.evaluation.needs import require
-from services.evaluation.profile import HeadProfile, checkpoint_sha256, load_profile
 from services.evaluation.ruler_eval import (
     PolicySet,
     RulerRunner,
@@ -36,6 +35,7 @@ from services.evaluation.ruler_eval import (
     suite_cells,
     trial_key,
 )
+from services.kvpolicy.head_profile import HeadProfile, checkpoint_sha256, load_profile
 from services.kvpolicy.manifest import AllocationMethod, RecoverabilityMode
 from services.model import LoadedModel, load
 

@@ -29,11 +29,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from services.demo import needle
 from services.gateway.client import GatewayClient, generate_request
-from services.kvpolicy import allocation, packing, snapkv
+from services.kvpolicy.compress import StateIdentity, compress, observation_window
 from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
-    SelectionMethod,
     default_manifests,
 )
 from services.launcher.stack import Stack, StackConfig
@@ -45,7 +45,6 @@ from services.model import (
     decode_step,
     decode_tokens,
     load,
-    needle,
 )
 from services.model import prefill as model_prefill
 from services.model.config import dtype_name
@@ -123,17 +122,13 @@ def filler_prompt(loaded: LoadedModel, tokens: int, seed: int) -> list[int]:
 def run_local(loaded: LoadedModel, manifest: KVVisibilityPolicyManifest, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
     """(ttft ms, decode tokens/s, output tokens) of one request in this process."""
     started = time.perf_counter()
-    window = manifest.selection.snapkv.observation_window if manifest.selection.snapkv else 0
-    result = model_prefill(loaded.model, ids, PrefillOptions(obs_window=window))
+    result = model_prefill(loaded.model, ids, PrefillOptions(obs_window=observation_window(manifest)))
     length = result.prompt_length
+    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
     cache = DecodeCache(loaded.config, loaded.dtype, loaded.device, batch_capacity=1,
-                        row_capacity=length + max_tokens + 1)
-    if manifest.selection.method is SelectionMethod.SNAPKV:
-        scores = snapkv.score(manifest, result.observation, length)
-        selected = snapkv.select(manifest, scores, allocation.allocate(manifest, length, scores), length)
-        cache.admit_view("local", packing.pack(result.source_k, result.source_v, selected), frontier=length)
-    else:
-        cache.admit_dense("local", result.source_k, result.source_v)
+                        row_capacity=length + max_tokens + 1, owner_to_kv_head=owner_map)
+    compressed = compress(manifest, result, StateIdentity("local", 1))
+    cache.admit_view("local", compressed.view, frontier=length)
     first = decode_tokens(loaded, cache, result.logits[None], 1, SamplingParams())
     ttft = time.perf_counter() - started
     decode_started = time.perf_counter()

@@ -27,7 +27,7 @@ def die_with(parent_pid: int) -> None:
 
 def main(argv: list[str]) -> None:
     die_with(int(argv[0]))
-    from services.cli import app
+    from kvrelay.cli import app
 
     app(argv[1:], prog_name="kvrelay")
 

@@ -4,6 +4,7 @@
   `[L, H_kv, T, d_h]` (keys post-RoPE at original positions), observation-window attention
   `[L, H_q, W_obs, T]` and the next-token logits. `on_layer` sees each layer as soon as it is
   done (the hook for layer-by-layer sending).
+- `forward_prompt`: `prefill`, then output token 0 sampled from its logits.
 - `decode_step`: one token for every request of a `DecodeCache` batch.
 - `generate`: prefill -> admit every position -> decode until a stop condition.
 """
@@ -60,6 +61,31 @@ class PrefillResult:
     @property
     def prompt_length(self) -> int:
         return self.source_k.shape[2]
+
+
+@dataclass(frozen=True)
+class PromptForward:
+    """A prompt's prefill and output token 0, sampled from its last logits: the first output
+    token is sampled at the end of prefill and travels with the transfer (DESIGN §2)."""
+
+    result: PrefillResult
+    first_token: int
+
+    @property
+    def prompt_len(self) -> int:
+        return self.result.prompt_length
+
+
+def forward_prompt(
+    model: CausalLM,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    sampling: SamplingParams,
+    options: PrefillOptions,
+) -> PromptForward:
+    """Full prompt forward (observation capture per `options`), then sample output token 0."""
+    result = prefill(model, prompt_ids, options)
+    first = sample(result.logits[None], [sampling], [0])  # [1]
+    return PromptForward(result, int(first[0]))
 
 
 @torch.no_grad()

@@ -4,35 +4,50 @@ Servicers raise typed errors (these, the kvpolicy core's `KVPolicyError`, or Red
 connection errors) and decorate their methods with `@maps_errors`; the decorator aborts
 the call with the mapped status code and a serialized `ErrorDetail` (reason, field,
 message, and for stale generations the current fence) in the trailing metadata key
-`kvrelay-error-bin`. Clients read it back with `error_detail(rpc_error)`.
+`kvrelay-error-bin`. Clients read it back with `error_detail(rpc_error)`. What the edge sends is
+bounded (`MAX_MESSAGE_BYTES`, `MAX_FIELD_BYTES`) whatever a handler put in its message: gRPC
+clients refuse trailers over 8 KB and would report RESOURCE_EXHAUSTED instead of the error.
+A request that does not parse (corrupt wire format, a string field that is not UTF-8) is
+INVALID_ARGUMENT naming the field when it can be told (`undecodable_request`).
 
 | error                                   | status code          |
 | --------------------------------------- | -------------------- |
 | `KVPolicyError`, `InvalidArgument`      | INVALID_ARGUMENT     |
 | `NotFound`                              | NOT_FOUND            |
 | `AlreadyExists`                         | ALREADY_EXISTS       |
-| `FailedPrecondition` (stale generation) | FAILED_PRECONDITION  |
+| `FailedPrecondition` (stale generation), `HeadProfileUnavailable` | FAILED_PRECONDITION |
 | `Unavailable`, Redis connection errors  | UNAVAILABLE          |
 | `ResourceExhausted` (capacity, budgets) | RESOURCE_EXHAUSTED   |
+| `Internal` (a computation went wrong)   | INTERNAL             |
+| a request message that does not parse   | INVALID_ARGUMENT     |
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import grpc
 import redis.exceptions
-from google.protobuf.message import Message
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from services.echo import echo
 from services.kvpolicy.errors import KVPolicyError, ManifestInvalid
+from services.kvpolicy.head_profile import HeadProfileUnavailable
+from services.model.errors import NonFiniteLogits
 from services.rpc.kvrelay.v1 import common_pb2
 
 ERROR_DETAIL_KEY = "kvrelay-error-bin"
+# What one error may put in the trailers: the status message (field + message, percent-encoded
+# by gRPC, up to 3x) and the detail (base64, 4/3x) stay well under the 8 KB metadata limit.
+MAX_MESSAGE_BYTES = 1024
+MAX_FIELD_BYTES = 256
 
 _REDIS_UNAVAILABLE = (
     redis.exceptions.ConnectionError,  # includes AuthenticationError
@@ -88,6 +103,10 @@ class ResourceExhausted(ServiceError):
     reason = common_pb2.ERROR_REASON_CAPACITY
 
 
+class Internal(ServiceError):
+    code = grpc.StatusCode.INTERNAL
+
+
 @dataclass(frozen=True)
 class RpcStatus:
     """What the edge sends for one error."""
@@ -105,6 +124,12 @@ def status_for(exc: BaseException) -> RpcStatus | None:
     """The status code and detail for a known error type; None lets grpc report UNKNOWN."""
     if isinstance(exc, ServiceError):
         return RpcStatus(exc.code, exc.detail())
+    if isinstance(exc, NonFiniteLogits):  # this request's own computation; nobody else's
+        detail = common_pb2.ErrorDetail(field="logits", message=str(exc))
+        return RpcStatus(grpc.StatusCode.INTERNAL, detail)
+    if isinstance(exc, HeadProfileUnavailable):  # valid request; this worker lacks the profile
+        detail = common_pb2.ErrorDetail(field=exc.field, message=exc.reason)
+        return RpcStatus(grpc.StatusCode.FAILED_PRECONDITION, detail)
     if isinstance(exc, KVPolicyError):
         reason = (
             common_pb2.ERROR_REASON_MANIFEST_INVALID
@@ -116,7 +141,7 @@ def status_for(exc: BaseException) -> RpcStatus | None:
     if isinstance(exc, _REDIS_UNAVAILABLE):
         detail = common_pb2.ErrorDetail(
             reason=common_pb2.ERROR_REASON_BACKEND_UNAVAILABLE,
-            message=f"redis unavailable: {type(exc).__name__}: {exc}",
+            message=f"redis unavailable: {type(exc).__name__}: {echo(str(exc), 200)}",
         )
         return RpcStatus(grpc.StatusCode.UNAVAILABLE, detail)
     return None
@@ -131,9 +156,97 @@ def error_detail(error: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail | None:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, status: RpcStatus) -> None:
-    """Abort the call with `status`, its detail in the trailing metadata."""
+    """Abort the call with `status`, its detail in the trailing metadata (both bounded)."""
+    status = bounded(status)
     metadata = ((ERROR_DETAIL_KEY, status.detail.SerializeToString()),)
     await context.abort(status.code, status.message, trailing_metadata=metadata)
+
+
+def bounded(status: RpcStatus) -> RpcStatus:
+    """`status` with its field and message cut to MAX_FIELD_BYTES / MAX_MESSAGE_BYTES of UTF-8."""
+    detail = common_pb2.ErrorDetail()
+    detail.CopyFrom(status.detail)
+    detail.field = _utf8_prefix(detail.field, MAX_FIELD_BYTES)
+    detail.message = _utf8_prefix(detail.message, MAX_MESSAGE_BYTES)
+    return RpcStatus(status.code, detail)
+
+
+def _utf8_prefix(text: str, max_bytes: int) -> str:
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= max_bytes:
+        return text
+    cut = data[: max_bytes - len("…".encode())].decode("utf-8", errors="ignore")
+    return f"{cut}…"
+
+
+def undecodable_request(descriptor: Descriptor | None, data: bytes, error: DecodeError) -> RpcStatus:
+    """INVALID_ARGUMENT for request bytes that `descriptor`'s message type could not parse,
+    naming the string field that is not UTF-8 when there is one (else field `request`)."""
+    field = _non_utf8_field(descriptor, data) if descriptor is not None else None
+    if field is not None:
+        message = "is not valid UTF-8"
+    else:
+        field = "request"
+        message = f"the request message could not be parsed: {echo(str(error), 300)}"
+    detail = common_pb2.ErrorDetail(
+        reason=common_pb2.ERROR_REASON_REQUEST_INVALID, field=field, message=message
+    )
+    return RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, detail)
+
+
+def _non_utf8_field(descriptor: Descriptor, data: bytes, path: str = "", depth: int = 0) -> str | None:
+    """The dotted path of the first string field in the wire bytes `data` that is not UTF-8;
+    None when there is none or the bytes are too corrupt to walk."""
+    try:
+        for number, chunk in _length_delimited(data):
+            field = descriptor.fields_by_number.get(number)
+            if field is None:
+                continue
+            name = _join(path, field.name)
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE and depth < 32:
+                found = _non_utf8_field(field.message_type, chunk, name, depth + 1)
+                if found is not None:
+                    return found
+    except (IndexError, ValueError):
+        return None
+    return None
+
+
+def _length_delimited(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(field number, payload) of each length-delimited field; others are skipped."""
+    position = 0
+    while position < len(data):
+        key, position = _varint(data, position)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, position = _varint(data, position)
+        elif wire_type in (1, 5):
+            position += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            length, position = _varint(data, position)
+            if position + length > len(data):
+                raise ValueError("truncated field")
+            yield number, data[position : position + length]
+            position += length
+        else:
+            raise ValueError(f"wire type {wire_type}")
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while shift < 64:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
+    raise ValueError("varint too long")
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
@@ -161,12 +274,15 @@ def _wrap_unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
     return unary
 
 
-def _wrap_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(method: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., AsyncIterator[Any]]:
     @functools.wraps(method)
     async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in method(self, request, context):
-                yield item
+            # Closed here, in the call's task: left to the garbage collector, the servicer's
+            # generator would unwind in another Context (see services.telemetry.metrics).
+            async with contextlib.aclosing(method(self, request, context)) as items:
+                async for item in items:
+                    yield item
             return
         except Exception as exc:
             status = status_for(exc)

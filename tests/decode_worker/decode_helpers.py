@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from services.kvpolicy import allocation, snapkv
+from services.kvpolicy.compress import StateIdentity, compress
 from services.kvpolicy.ledger import (
     Ledger,
     build_ledger,
@@ -25,13 +25,11 @@ from services.kvpolicy.ledger import (
 from services.kvpolicy.manifest import (
     DType,
     KVVisibilityPolicyManifest,
-    SelectionMethod,
     TensorContract,
 )
-from services.kvpolicy.packing import PackedKVView, pack
-from services.kvpolicy.receipt import Receipt, make_receipt
-from services.kvpolicy.state import KVPolicyState, PositionGrid
-from services.kvpolicy.static import static_protected_positions, static_selection
+from services.kvpolicy.packing import PackedKVView, SourceIdentity
+from services.kvpolicy.receipt import Receipt, make_receipt, payload_digest
+from services.kvpolicy.state import KVPolicyState
 from services.model import LoadedModel, PrefillOptions, PrefillResult, SamplingParams, prefill
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
 from services.transfer import (
@@ -114,22 +112,6 @@ def run_prefill(loaded: LoadedModel, prompt: list[int]) -> Prefilled:
     return Prefilled(prompt, result, int(result.logits.argmax()))
 
 
-def selection_for(manifest: KVVisibilityPolicyManifest, prefilled: Prefilled) -> PositionGrid:
-    """What the prefill worker retains under `manifest`: static positions, or SnapKV's."""
-    length = prefilled.length
-    if manifest.selection.method is not SelectionMethod.SNAPKV:
-        return static_selection(manifest, length)
-    scores = snapkv.score(manifest, prefilled.result.observation, length)
-    budgets = allocation.allocate(manifest, length, scores)
-    return snapkv.select(manifest, scores, budgets, length)
-
-
-def protected_for(manifest: KVVisibilityPolicyManifest, length: int) -> tuple[int, ...]:
-    if manifest.selection.method is SelectionMethod.SNAPKV:
-        return snapkv.protected_positions(manifest, length)
-    return static_protected_positions(manifest.selection, length)
-
-
 @dataclass(frozen=True)
 class PackedState:
     """A packed view, the state it realises and its receipt (what the prefill worker publishes)."""
@@ -148,7 +130,9 @@ class PackedState:
         """The handoff of `view` (default: the packed view) claiming this receipt, with `changes`
         to descriptor fields (`request_id`, `receipt_digest`, generations) or handoff fields
         (`frontier`, `parent_state_generation`, ...). A view other than the packed one gets
-        its own ledger, so the handoff stays consistent with the tensors it lists."""
+        its own ledger, so the handoff stays consistent with the tensors it lists, and, when it
+        has other layers or owners, its own row counts as budgets and its own payload digest;
+        otherwise the handoff claims the receipt's budgets and payload digest."""
         own = view is None or view is self.view
         view = self.view if view is None else view
         receipt = self.receipt
@@ -166,8 +150,19 @@ class PackedState:
             "position_origin": receipt.position_origin, "first_token_id": self.prefilled.first_token,
             "sampling": SamplingParams(), "max_tokens": 8, "prompt_tokens": self.prefilled.length,
             "ledger": self.ledger if own else ledger_of_view(view, self.prefilled.length),
+            **claimed_bindings(receipt, view),
             **{k: v for k, v in changes.items() if k not in names},
         })  # type: ignore[arg-type]
+
+
+def claimed_bindings(receipt: Receipt, view: PackedKVView) -> dict[str, object]:
+    """The receipt's owner budgets and payload digest, or `view`'s own (its row counts, its
+    bytes) when it has another number of layers or owners than the receipt."""
+    budgets = receipt.owner_budgets
+    if budgets is not None and (len(budgets), len(budgets[0])) == (view.num_layers, view.num_kv_heads):
+        return {"owner_budgets": budgets, "payload": receipt.payload}
+    counts = tuple(tuple(len(owner) for owner in layer) for layer in view.selected_positions())
+    return {"owner_budgets": counts, "payload": payload_digest(view)}
 
 
 def ledger_of_view(view: PackedKVView, prompt_len: int) -> Ledger:
@@ -185,20 +180,18 @@ def pack_state(
     state_generation: int = 1,
     cache_generation: int = 1,
 ) -> PackedState:
-    selected = selection_for(manifest, prefilled)
-    view = pack(prefilled.result.source_k, prefilled.result.source_v, selected)
-    state = KVPolicyState(
-        request_id=request_id,
-        manifest_sha256=manifest.sha256,
-        request_generation=request_generation,
+    """What the prefill worker publishes for `prefilled` under `manifest` (the compression
+    core), re-bound to other generations when a test needs a later or a stale state."""
+    compressed = compress(manifest, prefilled.result, StateIdentity(request_id, request_generation))
+    state = replace(
+        compressed.state,
         state_generation=state_generation,
         parent_state_generation=state_generation - 1,
         cache_generation=cache_generation,
-        frontier=prefilled.length,
-        selected_positions=selected,
-        protected_positions=protected_for(manifest, prefilled.length),
     )
-    return PackedState(manifest, prefilled, view, state, make_receipt(manifest, state, view))
+    view = compressed.view
+    source = SourceIdentity(prefilled.length, cache_generation)  # the image a stale worker would hold
+    return PackedState(manifest, prefilled, view, state, make_receipt(manifest, state, view, source=source))
 
 
 def tampered(view: PackedKVView) -> PackedKVView:
@@ -211,6 +204,43 @@ def tampered(view: PackedKVView) -> PackedKVView:
     segment[index] += 1
     positions[rows] = torch.tensor(segment, dtype=positions.dtype)
     return replace(view, original_position_map=positions)
+
+
+def v_shifted(view: PackedKVView) -> PackedKVView:
+    """The same positions and K rows with the V rows of (layer 0, owner 0) shifted by one
+    against K (each V row moved to the next row, the last to the first): well formed, same
+    receipt positions, but not the published bytes."""
+    rows = view.rows(0, 0)
+    packed_v = view.packed_v.clone()
+    packed_v[rows] = torch.roll(packed_v[rows], 1, dims=0)
+    return replace(view, packed_v=packed_v)
+
+
+def k_bit_flipped(view: PackedKVView, layer: int = 0) -> PackedKVView:
+    """The same view with the lowest bit of one K element of `layer` flipped."""
+    packed_k = view.packed_k.clone()
+    bits = packed_k.view(torch.int16 if packed_k.element_size() == 2 else torch.int32)
+    bits[view.rows(layer, 0).start, 0] ^= 1
+    return replace(view, packed_k=packed_k)
+
+
+def over_budget(view: PackedKVView) -> PackedKVView:
+    """The view with one more row for (layer 0, owner 0): an omitted position (with some row's
+    K/V) inserted in order, every later offset moved by one. Well formed; one row over the
+    owner's budget when the owner was full."""
+    rows = view.rows(0, 0)
+    segment = view.original_position_map[rows].tolist()
+    extra = next(p for p in range(segment[-1]) if p not in set(segment))
+    at = rows.start + sum(p < extra for p in segment)
+    insert = lambda t, row: torch.cat([t[:at], row, t[at:]])  # noqa: E731
+    offsets = view.row_offsets.clone()
+    offsets.view(-1)[1:] += 1
+    return PackedKVView(
+        packed_k=insert(view.packed_k, view.packed_k[at : at + 1]),
+        packed_v=insert(view.packed_v, view.packed_v[at : at + 1]),
+        original_position_map=insert(view.original_position_map, torch.tensor([extra], dtype=torch.int32)),
+        row_offsets=offsets,
+    )
 
 
 def new_request_id() -> str:
@@ -281,7 +311,7 @@ def describe(
         layout=ViewLayout.of(view),
         sidecar=SidecarLayout.of(sidecar, view.packed_v.dtype) if sidecar is not None else None,
     )
-    ledger = packed.ledger
+    ledger = packed.ledger if view is packed.view else ledger_of_view(view, packed.prefilled.length)
     if sidecar is not None:
         ledger = with_host_tier(with_page_summaries(ledger, sidecar.summaries.nbytes), sidecar.host_tier_bytes)
     params, max_tokens = sampling_from_proto(sampling or sampling_proto(8))
@@ -296,6 +326,8 @@ def describe(
         max_tokens=max_tokens,
         prompt_tokens=packed.prefilled.length,
         ledger=ledger,
+        owner_budgets=receipt.owner_budgets,
+        payload=receipt.payload,
         deadline_unix_ms=int((time.time() + deadline_s) * 1000),
         offload=offload,
     )

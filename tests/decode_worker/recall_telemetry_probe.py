@@ -31,13 +31,12 @@ sys.path.insert(0, str(HERE.parent / "prefill_worker"))
 from prefill_helpers import prompt_ids, write_tiny_checkpoint  # noqa: E402
 
 from decode_worker.config import SchedulerConfig  # noqa: E402
-from decode_worker.recall import LocalPageFetcher, RemoteHandoff, RemotePageFetcher  # noqa: E402
+from decode_worker.recall import RemoteHandoff, RemotePageFetcher  # noqa: E402
 from decode_worker.scheduler import DecodeFinished, DecodeRequest, DecodeScheduler  # noqa: E402
-from services.kvpolicy import allocation, snapkv  # noqa: E402
+from services.kvpolicy.compress import StateIdentity, compress  # noqa: E402
 from services.kvpolicy.manifest import RecoverabilityMode, TimeoutFallback, default_manifests  # noqa: E402
-from services.kvpolicy.packing import pack  # noqa: E402
-from services.kvpolicy.state import KVPolicyState  # noqa: E402
 from services.model import PrefillOptions, SamplingParams, load, prefill  # noqa: E402
+from services.offload.fetchers import LocalPageFetcher  # noqa: E402
 from services.offload.pages import gather_omitted, summarize_pages  # noqa: E402
 from services.offload.recall import PageFetcher, RecallKnobs, RecallSession, with_recall  # noqa: E402
 from services.rpc.kvrelay.v1 import offload_pb2_grpc  # noqa: E402
@@ -84,11 +83,9 @@ def main() -> None:
 def decode(loaded, manifest, scheduler, receiver, loop, request_id: str) -> DecodeFinished:  # type: ignore[no-untyped-def]
     prompt = prompt_ids(PROMPT, seed=5)
     result = prefill(loaded.model, prompt, PrefillOptions(obs_window=OBS))
-    scores = snapkv.score(manifest, result.observation, PROMPT)
-    selected = snapkv.select(manifest, scores, allocation.allocate(manifest, PROMPT, scores), PROMPT)
-    view = pack(result.source_k, result.source_v, selected)
-    state = KVPolicyState(request_id, manifest.sha256, 1, 1, 0, 1, PROMPT, selected,
-                          snapkv.protected_positions(manifest, PROMPT))
+    compressed = compress(manifest, result, StateIdentity(request_id, 1))
+    view, state = compressed.view, compressed.state
+    selected = state.selected_positions
     summaries = summarize_pages(result.source_k, selected, PAGE)
     fetch: PageFetcher
     if manifest.recoverability.mode is RecoverabilityMode.RECALLABLE_LOCAL:

@@ -25,7 +25,7 @@ LISTENING = re.compile(r"listening on (?P<grpc>\S+) \(rendezvous (?P<store>\S+)\
 
 
 def _kvrelay() -> list[str]:
-    return [sys.executable, "-c", "from services.cli import app; app()"]
+    return [sys.executable, "-c", "from kvrelay.cli import app; app()"]
 
 
 def _wait_for_listening(process: subprocess.Popen[str]) -> re.Match[str]:

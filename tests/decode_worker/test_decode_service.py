@@ -18,13 +18,16 @@ from decode_helpers import (
     PackedState,
     Sent,
     describe,
+    k_bit_flipped,
     new_request_id,
+    over_budget,
     pack_state,
     prompt_ids,
     run_prefill,
     sampling_proto,
     send_all,
     tampered,
+    v_shifted,
 )
 
 from services.kvpolicy.ledger import ledger_for
@@ -182,6 +185,29 @@ async def test_view_that_does_not_recompute_its_receipt_is_rejected(
     assert detail.field == "receipt.digest"
     assert detail.reason == common_pb2.ERROR_REASON_TRANSFER_FAILED
     assert worker.servicer.rejections == {"ViewRejected:receipt.digest": 1}
+    assert worker.servicer.scheduler.budget.used_bytes == 0
+    assert worker.servicer.scheduler.steps == 0  # nothing was decoded
+
+
+@pytest.mark.parametrize(
+    ("forge", "field"),
+    [(v_shifted, "packed_v[0]"), (k_bit_flipped, "packed_k[0]"), (over_budget, "receipt.owner_budgets[0][0]")],
+)
+async def test_view_whose_bytes_or_rows_break_the_receipt_is_rejected_before_admission(
+    forge, field, stub, worker, sender, policy, loaded, manifests
+):
+    """The real decode path: a V row shifted against K, a flipped bit in K, one row over an
+    owner's budget — each well formed, each claiming the published receipt — is refused naming
+    the layer's tensor or the owner's budget, and nothing is admitted or decoded."""
+    prefilled = run_prefill(loaded, prompt_ids(33, seed=2))
+    packed = await begin_and_publish(policy, manifests["snapkv"], prefilled, new_request_id())
+    sent = await transfer(stub, sender, worker, packed, view=forge(packed.view))
+
+    error = await stream_error(stub, sent)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    detail = error_detail(error)
+    assert (detail.field, detail.reason) == (field, common_pb2.ERROR_REASON_TRANSFER_FAILED)
+    assert worker.servicer.rejections == {f"ViewRejected:{field}": 1}
     assert worker.servicer.scheduler.budget.used_bytes == 0
     assert worker.servicer.scheduler.steps == 0  # nothing was decoded
 

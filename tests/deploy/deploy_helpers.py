@@ -39,7 +39,7 @@ Command = Any
 
 @functools.cache
 def cli_root() -> Command:
-    from services.cli import app
+    from kvrelay.cli import app
 
     return typer.main.get_command(app)
 

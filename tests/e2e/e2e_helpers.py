@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from services.demo import needle
 from services.launcher.stack import ServiceProcess, Stack, StackConfig, WorkerPorts
-from services.model import LoadedModel, needle
+from services.model import LoadedModel
 from services.policy import Fence, PolicyClient, PolicyClientConfig
 
-KVRELAY = (sys.executable, "-m", "services.cli")
+KVRELAY = (sys.executable, "-m", "kvrelay")
 # Through the environment, as a deployment would: prefill transfers give up after 10 s (a lost
 # decode worker must not hold a prompt longer), queues hold 32, the gateway re-checks worker
 # health every half second.

@@ -14,8 +14,10 @@ import pytest
 from e2e_helpers import UpStack, needle_ids
 
 from prefill_worker.handoff import DecodeHandoff
-from prefill_worker.pipeline import PrefillJob, forward, pack, publish, select
+from prefill_worker.offload import Packed
+from prefill_worker.pipeline import PrefillJob, forward, publish
 from prefill_worker.wire import DecodeTarget, PrefillCall
+from services.kvpolicy.compress import compress
 from services.kvpolicy.manifest import default_manifests
 from services.model import LoadedModel, SamplingParams
 from services.policy import Phase, PolicyClient, PolicyClientConfig, StatePublication
@@ -39,7 +41,7 @@ async def send_state_one(
     )
     job = PrefillJob(call, manifest)
     fwd = forward(loaded, job, chunk_size=512)
-    packed = pack(job, fwd, select(manifest, fwd.prompt_len, None, None))
+    packed = Packed.of(compress(manifest, fwd.result, job.identity))
     await publish(policy, job, packed, "e2e-late-prefill")
     if supersede:
         await policy.publish_state(StatePublication(

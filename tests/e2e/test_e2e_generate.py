@@ -10,11 +10,9 @@ import pytest
 from e2e_helpers import UpStack, fence_of, needle_ids
 
 from services.gateway.client import GatewayClient, generate_request
-from services.kvpolicy import allocation, snapkv
+from services.kvpolicy.compress import StateIdentity, compress
 from services.kvpolicy.ledger import ledger_for
 from services.kvpolicy.manifest import default_manifests
-from services.kvpolicy.receipt import Receipt
-from services.kvpolicy.state import KVPolicyState
 from services.model import LoadedModel, PrefillOptions, generate, prefill
 from services.rpc.kvrelay.v1 import common_pb2
 
@@ -61,17 +59,12 @@ def test_snapkv_pyramid_retains_the_receipts_rows_and_moves_the_ledgers_bytes(
     # The selection the kvpolicy core makes for this prompt, computed here, in this process.
     length = len(ids)
     forward = prefill(loaded.model, ids, PrefillOptions(obs_window=manifest.selection.snapkv.observation_window))
-    scores = snapkv.score(manifest, forward.observation, length)
-    selected = snapkv.select(manifest, scores, allocation.allocate(manifest, length, scores), length)
     fence = fence_of(stack.policy_address, request_id)
-    state = KVPolicyState(
-        request_id=request_id, manifest_sha256=manifest.sha256, request_generation=fence.request_generation,
-        state_generation=1, parent_state_generation=0, cache_generation=1, frontier=length,
-        selected_positions=selected, protected_positions=snapkv.protected_positions(manifest, length),
-    )
+    compressed = compress(manifest, forward, StateIdentity(request_id, fence.request_generation))
+    selected = compressed.state.selected_positions
     assert fence.request_generation == summary.generations.request_generation
     assert (fence.state_generation, fence.manifest_sha256) == (1, manifest.sha256)
-    assert Receipt.for_state(state).digest == fence.receipt_digest
+    assert compressed.receipt.digest == fence.receipt_digest
     budgets = [len(owner) for layer in selected for owner in layer]
     assert len(set(budgets)) > 1  # PyramidKV: deeper layers keep fewer rows
 

@@ -20,8 +20,9 @@ import grpc
 import pytest
 from prefill_helpers import prompt_ids
 
-from prefill_worker.pipeline import PrefillJob, allocate, forward, pack, score, select
+from prefill_worker.pipeline import PrefillJob, forward
 from prefill_worker.wire import DecodeTarget, PrefillCall
+from services.kvpolicy.compress import compress
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.launcher.stack import ServiceProcess, service_command
 from services.model import LoadedModel, SamplingParams, generate
@@ -138,9 +139,7 @@ def in_process_digest(
                        DecodeTarget("127.0.0.1:1", "unused"))
     job = PrefillJob(call, manifest)
     fwd = forward(model, job, chunk_size=512)
-    scores = score(manifest, fwd)
-    selection = select(manifest, fwd.prompt_len, scores, allocate(manifest, fwd.prompt_len, scores))
-    return pack(job, fwd, selection).receipt.digest
+    return compress(manifest, fwd.result, job.identity).receipt.digest
 
 
 def assert_bytes_match_the_ledger(run: Run) -> None:

@@ -23,7 +23,7 @@ import torch
 from kv_helpers import symbolic_kv
 
 from decode_worker.recall import RemoteHandoff, RemotePageFetcher
-from prefill_worker.offload import Offloaded, OffloadTier, offload_plan
+from prefill_worker.offload import Offloaded, OffloadTier
 from prefill_worker.offload_service import SERVICE_NAME, OffloadServicer, sweep
 from prefill_worker.wire import DecodeTarget, PrefillCall
 from services.kvpolicy.ledger import ledger_for
@@ -33,6 +33,7 @@ from services.kvpolicy.state import KVPolicyState
 from services.model import LoadedModel, SamplingParams
 from services.offload.errors import RecallUnavailable
 from services.offload.pages import PageRef, PageSummaries
+from services.offload.plan import offload_plan
 from services.offload.recall import RecallKnobs, with_recall
 from services.offload.store import OffloadStoreConfig, OnFull
 from services.policy import PolicyClient, StatePublication

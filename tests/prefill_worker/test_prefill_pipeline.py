@@ -1,4 +1,4 @@
-"""The compute stages (forward → score → allocate → select → pack) in-process on a tiny random
+"""The compute stages (the forward, then the compression core's score → allocate → select → pack) in-process on a tiny random
 checkpoint: what each policy retains, that the receipt binds exactly the packed view, and
 that the first token is the model's own next token."""
 
@@ -12,8 +12,9 @@ from prefill_helpers import prompt_ids
 
 from prefill_worker.errors import ManifestUnsupported
 from prefill_worker.manifests import check_servable
-from prefill_worker.pipeline import PrefillJob, Selection, allocate, forward, pack, score, select
+from prefill_worker.pipeline import PrefillJob, forward
 from prefill_worker.wire import DecodeTarget, PrefillCall
+from services.kvpolicy.compress import Selection, allocate, pack, score, select
 from services.kvpolicy.fit import Deployment
 from services.kvpolicy.manifest import (
     DType,
@@ -23,7 +24,7 @@ from services.kvpolicy.manifest import (
     TensorContract,
     TimeoutFallback,
 )
-from services.kvpolicy.receipt import Receipt, receipt_digest, verify_receipt
+from services.kvpolicy.receipt import Receipt, payload_digest, receipt_digest, verify_receipt
 from services.kvpolicy.static import static_positions
 from services.model import LoadedModel, SamplingParams, generate
 from services.model import prefill as model_prefill
@@ -46,10 +47,10 @@ def job_for(manifest: KVVisibilityPolicyManifest, sampling: SamplingParams = Sam
 
 def run_stages(model: LoadedModel, job: PrefillJob):  # noqa: ANN201 - test helper
     fwd = forward(model, job, chunk_size=24)  # several chunks per layer
-    scores = score(job.manifest, fwd)
+    scores = score(job.manifest, fwd.result)
     budgets = allocate(job.manifest, fwd.prompt_len, scores)
     selection = select(job.manifest, fwd.prompt_len, scores, budgets)
-    return fwd, selection, pack(job, fwd, selection)
+    return fwd, selection, pack(job.manifest, fwd.result, selection, job.identity)
 
 
 def recomputed_digest(receipt: Receipt, positions: list[list[list[int]]]) -> str:
@@ -128,7 +129,7 @@ def test_selection_follows_the_scores(
     manifest = manifests["snapkv"]
     job = job_for(manifest)
     fwd = forward(model, job, 512)
-    scores = score(manifest, fwd)  # [L, H_kv, T - W_obs]
+    scores = score(manifest, fwd.result)  # [L, H_kv, T - W_obs]
     assert scores is not None
     budgets = allocate(manifest, fwd.prompt_len, scores)
     selection = select(manifest, fwd.prompt_len, scores, budgets)
@@ -160,7 +161,9 @@ def test_state_is_the_first_successor_of_the_request(
     state = packed.state
     assert (state.request_generation, state.parent_state_generation, state.state_generation) == (3, 0, 1)
     assert state.frontier == PROMPT_LEN
-    assert packed.receipt.digest == Receipt.for_state(state).digest
+    # The receipt binds the state, each owner's row capacity and the packed bytes.
+    assert state.owner_budgets is not None and packed.receipt.owner_budgets == state.owner_budgets
+    assert packed.receipt.digest == Receipt.for_state(state, payload_digest(packed.view)).digest
 
 
 def test_a_different_view_gets_a_different_digest(
@@ -172,8 +175,9 @@ def test_a_different_view_gets_a_different_digest(
     owners = [list(map(list, layer)) for layer in selection.positions]
     dropped = next(p for p in range(PROMPT_LEN) if p not in owners[0][0])
     owners[0][0] = sorted(owners[0][0][1:] + [dropped])
-    tampered = pack(job, fwd, Selection(tuple(map(tuple, (map(tuple, layer) for layer in owners))),
-                                         selection.protected, selection.budgets))
+    positions = tuple(map(tuple, (map(tuple, layer) for layer in owners)))
+    tampered = pack(job.manifest, fwd.result, Selection(positions, selection.protected, selection.budgets),
+                    job.identity)
     assert tampered.receipt.digest != packed.receipt.digest
 
 
@@ -190,7 +194,7 @@ def test_check_servable_names_the_field_it_cannot_serve(
         check_servable(manifests["snapkv"], Deployment(bf16))
     assert bad_dtype.value.field == "tensor.k_dtype"
     recall = RecoverabilityContract(
-        RecoverabilityMode.RECALLABLE_REMOTE, handoff_id="h", recall_threshold=0.1, page_size=16,
+        RecoverabilityMode.RECALLABLE_REMOTE, recall_threshold=0.1, page_size=16,
         max_pages_per_step=4, recall_cadence_steps=1, recall_timeout_ms=100,
         timeout_fallback=TimeoutFallback.CONTINUE_LOSSY,
     )

@@ -15,7 +15,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import PrefillServer
 from services.kvpolicy import snapkv
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
-from services.kvpolicy.receipt import Receipt
+from services.kvpolicy.receipt import Receipt, payload_digest
 from services.model import LoadedModel, generate
 from services.policy import PolicyClient
 from services.policy.types import Phase
@@ -102,8 +102,11 @@ async def test_prefill_publishes_and_hands_the_view_to_the_decode_worker(
     assert descriptor.sampling.max_tokens == 4 and descriptor.deadline_unix_ms > time.time() * 1000
     received = await recorder.received(descriptor.transfer_id)
 
-    # The receiver's view recomputes the published digest (positions from its position map).
+    # The receiver's view recomputes the published digest (positions from its position map,
+    # the budgets the receipt carries, the digest of the bytes that arrived).
     generations = reply.receipt.generations
+    layers, owners = manifest.tensor.num_layers, manifest.num_owners
+    budgets = list(reply.receipt.owner_budgets)
     recomputed = Receipt(
         request_id="req-ok",
         manifest_sha256=reply.receipt.manifest_sha256,
@@ -115,6 +118,8 @@ async def test_prefill_publishes_and_hands_the_view_to_the_decode_worker(
         position_origin=reply.receipt.position_origin,
         selected_positions=received.view.selected_positions(),
         protected_positions=snapkv.protected_positions(manifest, PROMPT_LEN),
+        owner_budgets=tuple(tuple(budgets[layer * owners : (layer + 1) * owners]) for layer in range(layers)),
+        payload=payload_digest(received.view),
         digest=reply.receipt.digest,
     )
     assert recomputed.state_generation == 1 and recomputed.parent_state_generation == 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from services.cli import app
+from kvrelay.cli import app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from gguf_checkpoints import gguf_weights, llama_recipe, tiny_hf_model  # noqa: E402

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from services.demo import needle
 from services.kvpolicy.state import PositionGrid
-from services.model import LoadedModel, PrefillResult, needle
+from services.model import LoadedModel, PrefillResult
 from services.model.config import parse_model_config
 from services.model.model import CausalLM
 

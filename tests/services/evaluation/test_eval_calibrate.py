@@ -15,19 +15,21 @@ import torch
 from eval_helpers import COPY_HEAD, COPY_LAYER, needle_prompt_ids
 from typer.testing import CliRunner
 
-from prefill_worker.errors import HeadProfileUnavailable
-from prefill_worker.pipeline import allocate
-from services.cli import app
+from kvrelay.cli import app
+from services.demo import needle
 from services.evaluation.calibrate import CalibrationConfig, calibrate
 from services.evaluation.generation import compressed_generate
-from services.evaluation.profile import (
+from services.kvpolicy.allocation import profile_sha256
+from services.kvpolicy.compress import allocate
+from services.kvpolicy.head_profile import (
     PROFILE_FILE,
     HeadProfile,
+    HeadProfileUnavailable,
     checkpoint_sha256,
     load_profile,
+    profile_tensor,
     save_profile,
 )
-from services.kvpolicy.allocation import profile_sha256
 from services.kvpolicy.manifest import (
     AllocationMethod,
     AllocationSpec,
@@ -35,7 +37,7 @@ from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
     default_manifests,
 )
-from services.model import LoadedModel, load, needle
+from services.model import LoadedModel, load
 from services.rpc.errors import status_for
 
 SMALL = CalibrationConfig(context_lengths=(96, 160), prompts=3, placements=(needle.Placement.END,))
@@ -51,7 +53,8 @@ def headkv_manifest(model: LoadedModel, digest: str) -> KVVisibilityPolicyManife
     assert snapkv.selection.budget is not None
     budget = dataclasses.replace(snapkv.selection.budget, scope=BudgetScope.GLOBAL)
     selection = dataclasses.replace(snapkv.selection, allocation=allocation, budget=budget)
-    return dataclasses.replace(snapkv, name="snapkv-headkv", selection=selection)
+    return dataclasses.replace(snapkv, name="snapkv-headkv", policy_manifest_id="snapkv-headkv@1",
+                               selection=selection)
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +142,14 @@ def test_wrong_or_missing_profile_is_refused_naming_the_field(
 ) -> None:
     scores = torch.rand(2, 2, 152)  # [L, H_kv, T - W_obs] for a 160-token prompt
     right = headkv_manifest(copy_model, copy_profile.sha256)
-    assert allocate(right, 160, scores, copy_profile) is not None
+    assert allocate(right, 160, scores, profile_tensor(right, copy_profile)) is not None
     wrong = headkv_manifest(copy_model, "ab" * 32)
     for manifest, profile in ((wrong, copy_profile), (right, None)):
         with pytest.raises(HeadProfileUnavailable) as error:
-            allocate(manifest, 160, scores, profile)
+            allocate(manifest, 160, scores, profile_tensor(manifest, profile))
         assert error.value.field == FIELD
         status = status_for(error.value)
         assert status is not None and status.code is grpc.StatusCode.FAILED_PRECONDITION
         assert status.detail.field == FIELD
     snapkv = default_manifests(copy_model.tensor_contract, observation_window=8)["snapkv"]
-    assert allocate(snapkv, 160, scores, None) is not None  # other methods need no profile
+    assert allocate(snapkv, 160, scores, profile_tensor(snapkv, None)) is not None  # other methods need no profile

@@ -10,7 +10,7 @@ import pytest
 import torch
 from eval_helpers import MaskedDenseDecode, needle_prompt_ids
 
-from services.evaluation.generation import admit, compress, compressed_generate, feed
+from services.evaluation.generation import admit, compress_prompt, compressed_generate, feed
 from services.kvpolicy.manifest import GQAReduction, KVVisibilityPolicyManifest, SnapKVParams
 from services.model import InvalidModelInput, LoadedModel, generate
 
@@ -24,7 +24,8 @@ def expand(manifest: KVVisibilityPolicyManifest) -> KVVisibilityPolicyManifest:
     assert params is not None
     snapkv = SnapKVParams(params.observation_window, gqa_reduction=GQAReduction.EXPAND)
     selection = dataclasses.replace(manifest.selection, snapkv=snapkv)
-    return dataclasses.replace(manifest, name="snapkv-expand", selection=selection)
+    return dataclasses.replace(manifest, name="snapkv-expand", policy_manifest_id="snapkv-expand@1",
+                               selection=selection)
 
 
 def test_full_manifest_is_the_runtime_full_cache_generate(
@@ -76,12 +77,12 @@ def test_a_shared_forward_must_carry_the_manifests_window(
     needle_model: LoadedModel, small_manifests: dict[str, KVVisibilityPolicyManifest]
 ) -> None:
     ids = needle_prompt_ids(needle_model, PROMPT_LEN, seed=3)
-    static = compress(needle_model, small_manifests["window"], ids)  # captures no window
+    static = compress_prompt(needle_model, small_manifests["window"], ids)  # captures no window
     with pytest.raises(InvalidModelInput) as error:
-        compress(needle_model, small_manifests["snapkv"], ids, shared_forward=static.forward)
+        compress_prompt(needle_model, small_manifests["snapkv"], ids, shared_forward=static.forward)
     assert error.value.field == "shared_forward"
-    shared = compress(needle_model, small_manifests["snapkv"], ids).forward
-    again = compress(needle_model, small_manifests["snapkv-adakv"], ids, shared_forward=shared)
-    alone = compress(needle_model, small_manifests["snapkv-adakv"], ids)
+    shared = compress_prompt(needle_model, small_manifests["snapkv"], ids).forward
+    again = compress_prompt(needle_model, small_manifests["snapkv-adakv"], ids, shared_forward=shared)
+    alone = compress_prompt(needle_model, small_manifests["snapkv-adakv"], ids)
     assert again.selection == alone.selection
-    assert again.packed.receipt.digest == alone.packed.receipt.digest
+    assert again.compressed.receipt.digest == alone.compressed.receipt.digest

@@ -18,7 +18,7 @@ from eval_helpers import needle_prompt_ids
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import PrefillServer
 from services.evaluation.calibrate import CalibrationConfig, calibrate
-from services.evaluation.profile import HeadProfile, save_profile
+from services.kvpolicy.head_profile import HeadProfile, save_profile
 from services.kvpolicy.manifest import (
     AllocationMethod,
     AllocationSpec,

@@ -10,12 +10,12 @@ import pytest
 import torch
 from eval_helpers import TINY_NEEDLE_LLAMA
 
+from services.demo import needle
 from services.evaluation.kvpress_agreement import (
     KVPRESS_DEFAULT_WINDOW,
     agreement_markdown,
     measure_agreement,
 )
-from services.model import needle
 
 kvpress = pytest.importorskip("kvpress", reason="kvpress is not installed (kvpress==0.5.5)")
 

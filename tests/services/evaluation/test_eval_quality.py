@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
+from kvrelay.cli import app
+from services.demo import needle
 from services.evaluation.calibrate import CalibrationConfig, calibrate
 from services.evaluation.needle_eval import SweepConfig, evaluate_prompt, split_cue, sweep_prompts
 from services.evaluation.policies import policy_grid
 from services.evaluation.quality import PRESETS
 from services.kvpolicy.manifest import AllocationMethod, GQAReduction, KVVisibilityPolicyManifest
-from services.model import LoadedModel, generate, needle
+from services.model import LoadedModel, generate
 
 SMOKE = PRESETS["smoke"]
 ONE_PROMPT = CalibrationConfig(context_lengths=(200,), prompts=1)

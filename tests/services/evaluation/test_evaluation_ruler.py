@@ -23,7 +23,14 @@ from services.evaluation.calibrate import (
     ruler_calibration_prompts,
     speaks_needle_language,
 )
-from services.evaluation.profile import (
+from services.evaluation.ruler_eval import PolicySet
+from services.evaluation.ruler_suite import (
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    SuiteOptions,
+    run_suite,
+)
+from services.kvpolicy.head_profile import (
     PROFILE_SUFFIX,
     HeadProfile,
     ProfileProvenance,
@@ -32,13 +39,6 @@ from services.evaluation.profile import (
     profile_path,
     save_profile,
     shipped_profile_path,
-)
-from services.evaluation.ruler_eval import PolicySet
-from services.evaluation.ruler_suite import (
-    RESULTS_FILE,
-    SUMMARY_FILE,
-    SuiteOptions,
-    run_suite,
 )
 from services.model import LoadedModel, load
 from services.model.default import default_checkpoint

@@ -59,7 +59,7 @@ def test_services_are_launched_with_consistent_flags(tmp_path: Path) -> None:
 
 
 def test_demo_checkpoint_path_matches_the_model_runtime() -> None:
-    from services.model.train_demo import DEMO_CHECKPOINT as RUNTIME_DEMO_CHECKPOINT
+    from services.model.default import DEMO_CHECKPOINT as RUNTIME_DEMO_CHECKPOINT
 
     assert DEMO_CHECKPOINT == RUNTIME_DEMO_CHECKPOINT
 
@@ -105,7 +105,7 @@ def test_metrics_ports_are_numbered_per_service_or_left_to_the_services(tmp_path
 
 
 def test_commands_without_a_checkpoint_serve_the_default_model() -> None:
-    from services.cli import served_checkpoint
+    from kvrelay.cli import served_checkpoint
     from services.model.default import default_checkpoint
 
     assert served_checkpoint(None) == default_checkpoint()

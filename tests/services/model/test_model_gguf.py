@@ -17,7 +17,7 @@ from gguf_checkpoints import smollm2_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from services.cli import app
+from kvrelay.cli import app
 from services.model import generate, load
 from services.model.attention import causal_chunk_attention
 from services.model.tokenizer import ChatMessage

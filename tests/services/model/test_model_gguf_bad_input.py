@@ -22,10 +22,10 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import DecodeWorker
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import PrefillServer
-from services.evaluation.profile import checkpoint_sha256
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import WorkerSource
 from services.gateway.server import GatewayServer, ServedModel
+from services.kvpolicy.head_profile import checkpoint_sha256
 from services.launcher.stack import StackError, check_checkpoint
 from services.model import (
     CheckpointMismatch,
@@ -228,7 +228,7 @@ def test_checkpoint_digest_of_a_gguf_hashes_the_file(recipe, tmp_path):
 def test_convert_command_reports_a_bad_file_and_exits_1(recipe, tmp_path):
     from typer.testing import CliRunner
 
-    from services.cli import app
+    from kvrelay.cli import app
 
     path = recipe.write(tmp_path / "bad.gguf", drop_tensors=["output_norm.weight"])
     result = CliRunner().invoke(app, ["convert", str(path), str(tmp_path / "out")])

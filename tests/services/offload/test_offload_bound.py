@@ -201,7 +201,6 @@ def test_owners_as_query_heads_read_only_their_own_pages() -> None:
 def test_policy_comes_from_a_recallable_contract() -> None:
     contract = RecoverabilityContract(
         mode="recallable_remote",  # type: ignore[arg-type]
-        handoff_id="offload-a",
         recall_threshold=0.05,
         page_size=16,
         max_pages_per_step=4,

@@ -27,7 +27,7 @@ TENSOR = TensorContract(
 )
 RECALLABLE = {
     "mode": "recallable_remote",
-    "handoff_id": "offload-a",
+    "handoff_id": None,  # assigned per stored state by the offload tier, never by the manifest
     "recall_threshold": 0.05,
     "page_size": 16,
     "max_pages_per_step": 4,
@@ -62,7 +62,7 @@ def test_full_recall_gate_must_exceed_the_recall_threshold(gate: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "missing", ["handoff_id", "recall_threshold", "page_size", "timeout_fallback"]
+    "missing", ["recall_threshold", "page_size", "timeout_fallback"]
 )
 def test_recallable_without_a_recall_field_is_rejected(missing: str) -> None:
     with pytest.raises(ManifestInvalid) as info:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from kv_helpers import symbolic_kv
 
-from services.kvpolicy import allocation, snapkv
+from services.kvpolicy.compress import StateIdentity
+from services.kvpolicy.compress import compress as compress_core
 from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
     TimeoutFallback,
@@ -104,23 +105,11 @@ def compress(
     manifest = with_recall(base, knobs) if recallable else base
     ids = torch.randint(3, 61, (PROMPT,), generator=torch.Generator().manual_seed(seed))
     result = prefill(model, ids, PrefillOptions(obs_window=OBS_WINDOW))
-    scores = snapkv.score(manifest, result.observation, PROMPT)
-    budgets = allocation.allocate(manifest, PROMPT, scores)
-    selected = snapkv.select(manifest, scores, budgets, PROMPT)
-    view = pack(result.source_k, result.source_v, selected)
+    packed = compress_core(manifest, result, StateIdentity("req", 1))
+    view, state = packed.view, packed.state
+    selected = state.selected_positions
     summaries = summarize_pages(result.source_k, selected, knobs.page_size)
     rows = gather_omitted(result.source_k, result.source_v, summaries)
-    state = KVPolicyState(
-        request_id="req",
-        manifest_sha256=manifest.sha256,
-        request_generation=1,
-        state_generation=1,
-        parent_state_generation=0,
-        cache_generation=1,
-        frontier=PROMPT,
-        selected_positions=selected,
-        protected_positions=snapkv.protected_positions(manifest, PROMPT),
-    )
     first = int(result.logits.argmax())
     return Compressed(manifest, result, selected, view, summaries, rows, state, first)
 

@@ -1,7 +1,8 @@
 """`kvrelay demo`: the policy core end to end on a synthetic prompt, no model and no I/O.
 
-forward (synthetic keys/queries) → score (SnapKV) → allocate (PyramidKV) → select → pack
-→ state + receipt → ledger, printed as tables.
+forward (synthetic keys/queries) → the compression core (`services.kvpolicy.compress`: score
+with SnapKV → allocate with PyramidKV → select → pack → state + receipt + ledger), printed as
+tables.
 """
 
 from __future__ import annotations
@@ -12,21 +13,35 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from services.kvpolicy import allocation, snapkv
+from services.kvpolicy import snapkv
 from services.kvpolicy.allocation import BudgetGrid
-from services.kvpolicy.ledger import Ledger, ledger_for
+from services.kvpolicy.compress import StateIdentity, compress, score
+from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import (
     DType,
     KVVisibilityPolicyManifest,
     TensorContract,
     default_manifests,
 )
-from services.kvpolicy.packing import PackedKVView, pack
-from services.kvpolicy.receipt import Receipt, make_receipt
-from services.kvpolicy.state import KVPolicyState, PositionGrid
+from services.kvpolicy.packing import PackedKVView
+from services.kvpolicy.receipt import Receipt
+from services.kvpolicy.state import PositionGrid
 
 PROMPT_LEN = 48
 NEEDLES = (5, 17, 29)  # positions whose keys the window queries attend to strongly
+
+
+@dataclass(frozen=True)
+class SyntheticPrefill:
+    """What a prefill would hand the compression core, made up (`PrefillTensors`)."""
+
+    source_k: torch.Tensor  # [L, H_kv, T, d_h]
+    source_v: torch.Tensor  # [L, H_kv, T, d_h]
+    observation: torch.Tensor  # [L, H_q, W, T]
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.source_k.shape[2])
 
 
 @dataclass(frozen=True)
@@ -52,37 +67,25 @@ def run_demo(console: Console | None = None, seed: int = 0) -> DemoResult:
         v_dtype=DType.FLOAT16,
     )
     manifest = default_manifests(tensor, observation_window=8)["snapkv-pyramid"]
-    source_k, source_v, obs_attn = _synthetic_prefill(manifest)
-    scores = snapkv.score(manifest, obs_attn, PROMPT_LEN)
-    budgets = allocation.allocate(manifest, PROMPT_LEN, scores)
-    selected = snapkv.select(manifest, scores, budgets, PROMPT_LEN)
-    view = pack(source_k, source_v, selected)
-    state = KVPolicyState(
-        request_id="demo-request",
-        manifest_sha256=manifest.sha256,
-        request_generation=1,
-        state_generation=1,
-        parent_state_generation=0,
-        cache_generation=1,
-        frontier=PROMPT_LEN,
-        selected_positions=selected,
-        protected_positions=snapkv.protected_positions(manifest, PROMPT_LEN),
-    )
+    prefill = _synthetic_prefill(manifest)
+    compressed = compress(manifest, prefill, StateIdentity("demo-request", 1))
+    budgets = compressed.selection.budgets
+    assert budgets is not None  # SnapKV always allocates
     result = DemoResult(
         manifest,
         budgets,
-        selected,
-        view,
-        ledger_for(manifest, PROMPT_LEN, selected),
-        make_receipt(manifest, state, view),
+        compressed.selection.positions,
+        compressed.view,
+        compressed.ledger,
+        compressed.receipt,
     )
+    scores = score(manifest, prefill)
+    assert scores is not None
     _print(console, result, scores)
     return result
 
 
-def _synthetic_prefill(
-    manifest: KVVisibilityPolicyManifest,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _synthetic_prefill(manifest: KVVisibilityPolicyManifest) -> SyntheticPrefill:
     """Random keys with a few needle positions that the observation window attends to."""
     t = manifest.tensor
     window = min(manifest.selection.protected_rows, PROMPT_LEN)
@@ -97,7 +100,7 @@ def _synthetic_prefill(
     obs_attn = torch.stack(
         [snapkv.observation_attention(q, k, head_map) for q, k in zip(queries, keys, strict=True)]
     )
-    return keys.half(), values.half(), obs_attn  # obs_attn: [L, H_q, W, T]
+    return SyntheticPrefill(keys.half(), values.half(), obs_attn)  # obs_attn: [L, H_q, W, T]
 
 
 def _print(console: Console, result: DemoResult, scores: torch.Tensor) -> None:

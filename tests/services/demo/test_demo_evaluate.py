@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.model import needle
-from services.model.evaluate import (
+from services.demo import needle
+from services.demo.evaluate import (
     AccuracyRow,
     EvalConfig,
     answered,
@@ -11,7 +11,7 @@ from services.model.evaluate import (
     held_out_prompts,
     markdown_table,
 )
-from services.model.needle import Placement
+from services.demo.needle import Placement
 
 TOKENIZER = needle.build_tokenizer()
 

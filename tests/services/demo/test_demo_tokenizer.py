@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from services.model import needle
-from services.model.needle import DocumentMix, Placement
-from services.model.train_demo import DEMO_CHECKPOINT
+from services.demo import needle
+from services.demo.needle import DocumentMix, Placement
+from services.model.default import DEMO_CHECKPOINT
 
 
 def test_every_word_is_one_token_with_its_vocabulary_index() -> None:

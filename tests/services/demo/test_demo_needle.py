@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.model import needle
-from services.model.needle import DocumentMix, NeedleLanguageError, Placement
+from services.demo import needle
+from services.demo.needle import DocumentMix, NeedleLanguageError, Placement
 
 CUE_WORDS = {"code", "what", "answer", "is", "of", ":", "?"}
 

@@ -24,9 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from services.kvpolicy.manifest import GQAReduction, Pooling, ScoreAggregation
-from services.kvpolicy.packing import pack
-from services.kvpolicy.snapkv import select_snapkv, snapkv_scores
+from services.kvpolicy.compress import StateIdentity, compress
+from services.kvpolicy.manifest import default_manifests
 from services.model.errors import InvalidModelInput
 from services.model.kvcache import DecodeCache
 from services.model.loader import LoadedModel, load
@@ -159,18 +158,16 @@ def _tick(tick: Callable[[], None], times: int) -> None:
 def _packed_cache(
     loaded: LoadedModel, result: PrefillResult, fraction: float, config: BenchConfig
 ) -> tuple[DecodeCache, int]:
-    # prefill -> SnapKV score -> select (uniform budget, window protected) -> pack -> admit
-    context, window = result.prompt_length, config.obs_window
-    scores = snapkv_scores(
-        result.observation, context, window, Pooling.MAX, 7, ScoreAggregation.SUM,
-        GQAReduction.MEAN, loaded.config.q_to_kv_head_map,
-    )  # [L, H_kv, T - W]
-    budget = max(0, round(fraction * context) - window)
-    budgets = [[budget] * loaded.config.num_kv_heads] * loaded.config.num_layers
-    selected = select_snapkv(scores, budgets, window, context)
-    view = pack(result.source_k, result.source_v, selected)
-    cache = DecodeCache(loaded.config, loaded.dtype, row_capacity=budget + window + _total_steps(config) + 1)
-    cache.admit_view("packed", view, frontier=context)
+    # the served `snapkv` policy (uniform budgets, window protected) at `fraction`: the
+    # compression core, then admit
+    manifest = default_manifests(
+        loaded.tensor_contract, budget_fraction=fraction, observation_window=config.obs_window
+    )["snapkv"]
+    view = compress(manifest, result, StateIdentity("bench", 1)).view
+    longest = max(view.rows(layer, head).stop - view.rows(layer, head).start
+                  for layer in range(view.num_layers) for head in range(view.num_kv_heads))
+    cache = DecodeCache(loaded.config, loaded.dtype, row_capacity=longest + _total_steps(config) + 1)
+    cache.admit_view("packed", view, frontier=result.prompt_length)
     return cache, view.total_rows
 
 

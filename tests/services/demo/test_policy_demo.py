@@ -9,8 +9,8 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.kvpolicy.demo import PROMPT_LEN, run_demo
+from kvrelay.cli import app
+from services.demo.policy_demo import PROMPT_LEN, run_demo
 
 torch.set_num_threads(1)
 

@@ -3,7 +3,7 @@
 Where a checkpoint's profile lives (`profile_path`): inside an HF directory as
 `headkv_profile.safetensors`; beside a `.gguf` file as `<file>.headkv_profile.safetensors`.
 A checkpoint without one may still have a profile shipped in this package
-(`services/evaluation/profiles/<checkpoint sha256>.headkv_profile.safetensors`, found by the
+(`services/kvpolicy/profiles/<checkpoint sha256>.headkv_profile.safetensors`, found by the
 digest of the checkpoint, `checkpoint_sha256`): the bundled default model sits in
 site-packages, where nothing should be written, so its calibrated profile ships here.
 
@@ -28,6 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.kvpolicy.allocation import profile_sha256
+from services.kvpolicy.errors import KVPolicyError
+from services.kvpolicy.manifest import AllocationMethod, KVVisibilityPolicyManifest
 
 PROFILE_FILE = "headkv_profile.safetensors"
 PROFILE_SUFFIX = "." + PROFILE_FILE  # beside a checkpoint file: `<file>.headkv_profile...`
@@ -38,8 +40,22 @@ METADATA_KEY = "kvrelay.headkv_profile"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
 
+PROFILE_FIELD = "selection.allocation.headkv_profile_sha256"
+
+
 class ProfileFileInvalid(ValueError):
     """A profile file exists but cannot be used; the message names the file and what is wrong."""
+
+
+class HeadProfileUnavailable(KVPolicyError):
+    """A HeadKV manifest names an importance profile (`selection.allocation.headkv_profile_sha256`)
+    that the served checkpoint does not carry: no profile beside it, or one with other values.
+    The edge maps it to FAILED_PRECONDITION, not INVALID_ARGUMENT: the manifest and the request
+    are valid and stay valid; what is missing is the worker's state (the deployed profile), and
+    the same request succeeds on a worker that serves the matching profile."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(PROFILE_FIELD, message)
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,23 @@ class HeadProfile:
                 raise ProfileFileInvalid(
                     f"{PROFILE_FILE}:{key} has shape {shape}, the model needs {expected}"
                 )
+
+
+def profile_tensor(
+    manifest: KVVisibilityPolicyManifest, profile: HeadProfile | None
+) -> torch.Tensor | None:
+    """The importance tensor `[L, H_owner]` a HeadKV manifest names by digest; None for other
+    allocation methods. HeadProfileUnavailable when `profile` (the served checkpoint's, if it
+    has one) holds no tensor of that digest."""
+    spec = manifest.selection.allocation
+    wanted = spec.headkv_profile_sha256 if spec is not None else None
+    if spec is None or spec.method is not AllocationMethod.HEADKV or wanted is None:
+        return None
+    tensor = profile.tensor_for(wanted) if profile is not None else None
+    if tensor is None:
+        found = f"its profile is {profile.sha256}" if profile else f"it has no {PROFILE_FILE}"
+        raise HeadProfileUnavailable(f"the served checkpoint has no profile {wanted} ({found})")
+    return tensor
 
 
 def profile_path(checkpoint: Path) -> Path:

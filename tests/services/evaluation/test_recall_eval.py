@@ -12,10 +12,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.model import generate, load
-from services.model.train_demo import DEMO_CHECKPOINT
-from services.offload.evaluate import (
+from kvrelay.cli import app
+from services.evaluation.recall_eval import (
     POLICIES,
     RECALL_POLICIES,
     Evaluator,
@@ -26,6 +24,8 @@ from services.offload.evaluate import (
     goal_markdown,
     goal_rows,
 )
+from services.model import generate, load
+from services.model.default import DEMO_CHECKPOINT
 from services.offload.recall import RecallKnobs
 
 torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Full-cache needle accuracy of a checkpoint (``kvrelay eval-checkpoint``).
 
-Held-out prompts of the needle language (:mod:`services.model.needle`) at several context
+Held-out prompts of the needle language (:mod:`services.demo.needle`) at several context
 lengths, the needle depth spread evenly from the start to the end of the haystack, in both
 question placements. A prompt counts as answered when the first generated word is its code.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from services.model import needle
+from services.demo import needle
 
 ANSWER_TOKENS = 2  # the code and the full stop after it
 HELD_OUT_SEED = 7_000_000  # evaluation prompts use seeds far from the training monitor's

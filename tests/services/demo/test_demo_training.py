@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from services.model import generate, load, needle
-from services.model.needle import DocumentMix
-from services.model.train_demo import (
+from services.demo import needle
+from services.demo.needle import DocumentMix
+from services.demo.train import (
     Stage,
     TrainConfig,
     attention_targets,
@@ -24,6 +24,7 @@ from services.model.train_demo import (
     train,
     training_loss,
 )
+from services.model import generate, load
 
 
 def _tiny(tmp_path: Path) -> TrainConfig:

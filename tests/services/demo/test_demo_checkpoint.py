@@ -9,10 +9,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from services.model import generate, load, needle
-from services.model.evaluate import ANSWER_TOKENS, EvalConfig, held_out_prompts
-from services.model.needle import Placement
-from services.model.train_demo import DEMO_CHECKPOINT
+from services.demo import needle
+from services.demo.evaluate import ANSWER_TOKENS, EvalConfig, held_out_prompts
+from services.demo.needle import Placement
+from services.model import generate, load
+from services.model.default import DEMO_CHECKPOINT
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 # (context tokens, depth, placement, seed): held-out prompts, one per length and placement.

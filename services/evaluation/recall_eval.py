@@ -1,6 +1,6 @@
 """`kvrelay eval recall`: does recalling omitted rows win back what compression lost?
 
-Held-out needle prompts (`services.model.needle`) of the bundled demo checkpoint, the needle
+Held-out needle prompts (`services.demo.needle`) of the bundled demo checkpoint, the needle
 depth spread evenly over the haystack, in both question placements: (a) `END`, the question
 closes the prefilled context, inside SnapKV's observation window; (b) `BEFORE_FILLER`, a
 long stretch of filler follows the question, so the window does not see it.
@@ -45,34 +45,25 @@ import torch
 from rich.console import Console
 from tqdm import tqdm
 
-from services.kvpolicy import allocation, snapkv
+from services.demo import needle
+from services.kvpolicy.compress import Compressed, StateIdentity, compress
 from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
-    SelectionMethod,
     TensorContract,
     default_manifests,
 )
-from services.kvpolicy.packing import pack
-from services.kvpolicy.state import KVPolicyState, PositionGrid
-from services.kvpolicy.static import static_protected_positions, static_selection
+from services.kvpolicy.state import KVPolicyState
 from services.model import (
     DecodeCache,
     LoadedModel,
     PrefillOptions,
     PrefillResult,
     decode_step,
-    needle,
 )
 from services.model import load as load_model
 from services.model import prefill as model_prefill
-from services.offload.errors import RecallUnavailable
-from services.offload.pages import (
-    OmittedRows,
-    PageRef,
-    RecalledPage,
-    gather_omitted,
-    summarize_pages,
-)
+from services.offload.fetchers import StoreFetcher
+from services.offload.plan import offload_plan
 from services.offload.recall import (
     DEFAULT_RECALL_KNOBS,
     RecallKnobs,
@@ -244,19 +235,6 @@ class _Decoded:
     fetch_s: list[float] = field(default_factory=list)
 
 
-class StoreFetcher:
-    """The in-process offload tier: pages of one request from an `OffloadStore`."""
-
-    def __init__(self, store: OffloadStore, key: StoreKey) -> None:
-        self.store, self.key = store, key
-
-    def __call__(self, refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
-        fetched = self.store.fetch(self.key, refs)
-        if fetched.missing:
-            raise RecallUnavailable(f"the store no longer holds {len(fetched.missing)} pages")
-        return fetched.pages
-
-
 class Evaluator:
     """Runs policies over prefilled prompts of one checkpoint (CPU, one process)."""
 
@@ -298,10 +276,11 @@ class Evaluator:
     ) -> RequestResult:
         """Select, pack, admit and decode the cue under one policy."""
         T = prefilled.context_tokens
-        selected, protected = select_rows(manifest, prefilled.result)
-        retained = sum(len(owner) for layer in selected for owner in layer)
+        request_id = f"eval-{next(self._requests)}"
+        compressed = compress(manifest, prefilled.result, StateIdentity(request_id, 1))
+        retained = compressed.view.total_rows
         total = manifest.tensor.num_layers * manifest.num_owners * T
-        decoded = self._decode(prefilled, manifest, selected, protected)
+        decoded = self._decode(prefilled, manifest, compressed)
         full = decoded.answer if full_answer is None else full_answer
         return RequestResult(
             placement=prefilled.prompt.placement.value,
@@ -323,13 +302,9 @@ class Evaluator:
         )
 
     def _decode(
-        self,
-        prefilled: Prefilled,
-        manifest: KVVisibilityPolicyManifest,
-        selected: PositionGrid,
-        protected: tuple[int, ...],
+        self, prefilled: Prefilled, manifest: KVVisibilityPolicyManifest, compressed: Compressed
     ) -> _Decoded:
-        request_id = f"eval-{next(self._requests)}"
+        request_id = compressed.state.request_id
         result, loaded = prefilled.result, self.loaded
         owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
         cache = DecodeCache(
@@ -340,46 +315,26 @@ class Evaluator:
             row_capacity=result.prompt_length + CUE_TOKENS + 1,
             owner_to_kv_head=owner_map,
         )
-        view = pack(result.source_k, result.source_v, selected, owner_map)
-        cache.admit_view(request_id, view, frontier=result.prompt_length)
+        cache.admit_view(request_id, compressed.view, frontier=result.prompt_length)
         session = None
         if manifest.recoverability.recallable:
-            session = self._session(request_id, manifest, result, selected, protected)
+            session = self._session(manifest, result, compressed.state)
         try:
             return self._cue_steps(cache, prefilled.cue, request_id, session)
         finally:
             self.store.release(request_id)
 
     def _session(
-        self,
-        request_id: str,
-        manifest: KVVisibilityPolicyManifest,
-        result: PrefillResult,
-        selected: PositionGrid,
-        protected: tuple[int, ...],
+        self, manifest: KVVisibilityPolicyManifest, result: PrefillResult, state: KVPolicyState
     ) -> RecallSession:
         """Omitted rows into the store (the prefill worker's side) and the decode side's session."""
-        page_size = manifest.recoverability.page_size
-        assert page_size is not None
-        owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
-        summaries = summarize_pages(result.source_k, selected, page_size, owner_map)
-        rows: OmittedRows = gather_omitted(result.source_k, result.source_v, summaries, owner_map)
-        key = StoreKey(request_id, 1, 1)
-        stored = self.store.put(key, rows)
+        plan = offload_plan(manifest, result.source_k, result.source_v, state.selected_positions)
+        assert plan is not None, "a recallable manifest always pages its omitted rows"
+        key = StoreKey(state.request_id, state.request_generation, state.state_generation)
+        stored = self.store.put(key, plan.rows)
         if isinstance(stored, Refused):
-            raise RuntimeError(f"offload store refused {request_id}: {stored.reason.value}")
-        state = KVPolicyState(
-            request_id=request_id,
-            manifest_sha256=manifest.sha256,
-            request_generation=1,
-            state_generation=1,
-            parent_state_generation=0,
-            cache_generation=1,
-            frontier=result.prompt_length,
-            selected_positions=selected,
-            protected_positions=protected,
-        )
-        return RecallSession(manifest, summaries, StoreFetcher(self.store, key), state=state)
+            raise RuntimeError(f"offload store refused {state.request_id}: {stored.reason.value}")
+        return RecallSession(manifest, plan.summaries, StoreFetcher(self.store, key), state=state)
 
     def _cue_steps(
         self, cache: DecodeCache, cue: Sequence[int], request_id: str, session: RecallSession | None
@@ -432,20 +387,6 @@ def policy_manifests(
     for name in SNAPKV_POLICIES:
         out[f"{name}-recall"] = with_recall(out[name], config.knobs)
     return out
-
-
-def select_rows(
-    manifest: KVVisibilityPolicyManifest, result: PrefillResult
-) -> tuple[PositionGrid, tuple[int, ...]]:
-    """Retained positions `[L][H_owner]` and protected positions, as the prefill worker
-    selects them (score → allocate → select for SnapKV, the static rule otherwise)."""
-    T = result.prompt_length
-    if manifest.selection.method is not SelectionMethod.SNAPKV:
-        selection = manifest.selection
-        return static_selection(manifest, T), static_protected_positions(selection, T)
-    scores = snapkv.score(manifest, result.observation, T)
-    budgets = allocation.allocate(manifest, T, scores)
-    return snapkv.select(manifest, scores, budgets, T), snapkv.protected_positions(manifest, T)
 
 
 def eval_prompts(

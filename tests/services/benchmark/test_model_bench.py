@@ -9,8 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
+from services.benchmark.model_bench import BenchConfig, run
 from services.model import InvalidModelInput
-from services.model.bench import BenchConfig, run
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """Training of the bundled demo checkpoint (``kvrelay train-demo``).
 
-A small GQA Llama-family model learns the needle language (:mod:`services.model.needle`) on CPU.
+A small GQA Llama-family model learns the needle language (:mod:`services.demo.needle`) on CPU.
 Retrieval barely emerges from long sparse documents, so training uses dense supervision (many
 questions per document, loss on every answer token and nothing else) and a curriculum: facts
 packed back to back in short documents first, then more filler and longer documents, up to 2K
@@ -26,9 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from services.model import needle
-
-DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo_checkpoint"
+from services.demo import needle
 
 
 @dataclass(frozen=True)

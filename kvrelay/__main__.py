@@ -1,0 +1,5 @@
+"""`python -m kvrelay`."""
+
+from kvrelay.cli import app
+
+app()

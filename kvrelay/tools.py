@@ -1,0 +1,206 @@
+"""`kvrelay eval …` and `kvrelay bench …`: the quality evaluations and the benchmarks (tooling;
+nothing in the runtime imports it). Each command imports its suite lazily."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvrelay.checkpoints import DEFAULT_MODEL_HELP, served_checkpoint
+
+bench_app = typer.Typer(help="Benchmarks that print their numbers. Without a subcommand: the whole issue-8 harness.")
+eval_app = typer.Typer(help="Quality evaluations that write Markdown and PNG reports.")
+
+
+@eval_app.callback(invoke_without_command=True)
+def eval_main(
+    ctx: typer.Context,
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
+    preset: str = typer.Option("full", help="smoke (one 256-token length, 25% budget, seconds) or full (512/1K/2K, 7 depths, 10/25/50%, about 10 min on 1 thread)."),
+    out: Path = typer.Option(Path("eval-out"), help="Directory for eval.md, the heat-map PNGs and trials.json."),
+    prompts_per_cell: int | None = typer.Option(None, help="Prompts per (length, placement, depth); default: the preset's."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="Also compare SnapKV's kept rows with kvpress's SnapKVPress (needs kvpress)."),
+    suite: str = typer.Option("needle", help="needle (the demo checkpoint's needle language) or ruler (RULER-style tasks on a real model, kvpress side by side; checkpoint " + DEFAULT_MODEL_HELP + ")."),
+    resume: bool = typer.Option(False, "--resume", help="ruler: keep --out's results.jsonl and skip the trials it holds."),
+) -> None:
+    """Needle retrieval per policy (budgets x allocations x GQA reductions x placements, baselines), heat maps, kvpress agreement; --suite ruler: RULER-style tasks at 1K-8K."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from services.evaluation.needs import MissingDependency
+    from services.evaluation.quality import PRESETS, EvalOptions, run_eval
+    from services.model.default import DEMO_CHECKPOINT
+
+    if suite not in ("needle", "ruler"):
+        raise typer.BadParameter("must be needle or ruler", param_hint="--suite")
+    if suite == "ruler":
+        _eval_ruler(served_checkpoint(checkpoint), out, preset, threads, kvpress, resume)
+        return
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    options = EvalOptions(checkpoint=checkpoint or DEMO_CHECKPOINT, out=out, preset=preset,
+                          prompts_per_cell=prompts_per_cell, threads=threads, kvpress=kvpress)
+    try:
+        run_eval(options)
+    except MissingDependency as exc:
+        hint = " (or run with --no-kvpress)" if exc.package == "kvpress" else ""
+        typer.echo(f"kvrelay eval: {exc}{hint}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress: bool, resume: bool) -> None:
+    """`kvrelay eval --suite ruler`."""
+    from services.evaluation.needs import MissingDependency
+    from services.evaluation.ruler_suite import PRESETS, SuiteOptions, run_suite
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    try:
+        run_suite(SuiteOptions(checkpoint, out, preset, threads, kvpress, resume))
+    except MissingDependency as exc:
+        hint = " (or run with --no-kvpress)" if exc.package == "kvpress" else ""
+        typer.echo(f"kvrelay eval: {exc}{hint}", err=True)
+        raise typer.Exit(1) from None
+
+
+@eval_app.command("recall")
+def eval_recall(
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%)."),
+    prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
+    out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep the recall knobs on tuning seeds instead of evaluating."),
+) -> None:
+    """Needle accuracy of full, window, sink+recent and SnapKV policies, with and without recall of omitted rows."""
+    from dataclasses import replace
+
+    from services.evaluation.recall_eval import PRESETS, TuneConfig, run, run_tune
+    from services.model.default import DEMO_CHECKPOINT
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    if tune:
+        tune_config = TuneConfig() if prompts is None else TuneConfig(prompts=prompts)
+        run_tune(checkpoint or DEMO_CHECKPOINT, tune_config, threads)
+        return
+    config = PRESETS[preset] if prompts is None else replace(PRESETS[preset], prompts=prompts)
+    run(checkpoint or DEMO_CHECKPOINT, config, out, threads)
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    preset: str = typer.Option("full", help="smoke (seconds, tiny models) or full (the issue's sweep)."),
+    contexts: str | None = typer.Option(None, help="Comma-separated prompt lengths, e.g. 1K,4K,16K,32K (default: the preset's)."),
+    budgets: str | None = typer.Option(None, help="Comma-separated budgets: full, fractions or percentages (default full,50%,25%,10%)."),
+    models: str | None = typer.Option(None, help="Comma-separated models: demo, large (default both; none with --checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, help="Measure this checkpoint: a .gguf file (converted once to an HF directory that every engine loads) or an HF directory; alone unless --models names others."),
+    out: Path = typer.Option(Path("bench-out"), help="Directory for bench.json, bench.md and the PNG plots."),
+    threads: int | None = typer.Option(None, help="torch CPU threads of every measurement process (default 1)."),
+    steps: int | None = typer.Option(None, help="Measured decode steps per configuration (default: the preset's)."),
+    memory_budget_gib: float | None = typer.Option(None, help="Skip cells whose estimated peak RSS exceeds this (default 70% of available memory)."),
+    kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="--no-kvpress skips the kvpress anchor explicitly."),
+) -> None:
+    """kvrelay full-cache and SnapKV decode vs transformers and kvpress, bandwidth, transfer, goals."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from services.benchmark.config import Overrides, resolve
+    from services.benchmark.errors import BenchError
+    from services.benchmark.harness import run_bench
+    from services.model.errors import ModelError
+
+    overrides = Overrides(contexts=contexts, budgets=budgets, models=models, threads=threads,
+                          kvpress=kvpress, memory_budget_gib=memory_budget_gib, steps=steps, checkpoint=checkpoint)
+    try:
+        run_bench(resolve(preset, overrides), out)
+    except (BenchError, ModelError) as exc:
+        typer.echo(f"kvrelay bench: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@bench_app.command("policy")
+def bench_policy(
+    clients: str = typer.Option("1,16,64", help="Comma-separated concurrent client counts."),
+    seconds: float = typer.Option(2.0, help="Measured seconds per operation, path and client count."),
+    redis_url: str | None = typer.Option(None, help="Benchmark against this Redis (default: a private embedded one)."),
+    target: str | None = typer.Option(None, help="host:port of a running policy service using --redis-url."),
+    pipe_commands: int = typer.Option(50_000, help="Commands per redis-cli --pipe ceiling run."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+) -> None:
+    """PublishState/GetFence throughput and p50/p99 vs the raw Lua-script ceiling on the same Redis."""
+    import asyncio
+
+    from policy_service.bench import BenchConfig, print_report, run_bench
+
+    config = BenchConfig(
+        concurrency=tuple(int(c) for c in clients.split(",")), seconds=seconds, redis_url=redis_url, target=target,
+        pipe_commands=pipe_commands,
+    )
+    print_report(asyncio.run(run_bench(config)), json_out)
+
+
+@bench_app.command("model")
+def bench_model(
+    quick: bool = typer.Option(False, help="Small sweep: contexts 512,1024,2048, 4 layers, 8 steps."),
+    contexts: str | None = typer.Option(None, help="Comma-separated context lengths (default 1024,4096,16384)."),
+    layers: int | None = typer.Option(None, help="Decoder layers of the random Llama (default 8)."),
+    steps: int | None = typer.Option(None, help="Measured decode steps per configuration (default 32)."),
+    threads: int | None = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    reference: bool = typer.Option(True, help="Also time transformers' greedy generation."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+) -> None:
+    """Prefill tokens/s and decode ms/token: full cache vs packed views, vs transformers."""
+    from services.benchmark.model_bench import BenchConfig, run
+
+    base = BenchConfig(contexts=(512, 1024, 2048), layers=4, decode_steps=8) if quick else BenchConfig()
+    config = BenchConfig(
+        contexts=tuple(int(c) for c in contexts.split(",")) if contexts else base.contexts,
+        layers=layers or base.layers, decode_steps=steps or base.decode_steps,
+        threads=threads, reference=reference,
+    )
+    run(config, json_out=json_out)
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    layers: int = typer.Option(32, help="Layers of the packed view."),
+    kv_heads: int = typer.Option(8, help="K/V heads (owners) per layer."),
+    rows: int = typer.Option(1024, help="Retained rows per (layer, K/V head)."),
+    head_dim: int = typer.Option(128),
+    dtype: str = typer.Option("bfloat16", help="K/V dtype (torch name)."),
+    repeats: int = typer.Option(5, help="Warm repeats of each path."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+) -> None:
+    """Bytes/s of a packed view through a gloo pair group vs a plain loopback TCP copy."""
+    from services.transfer.bench import (
+        TransferBenchConfig,
+        print_transfer_report,
+        run_transfer_bench,
+    )
+
+    config = TransferBenchConfig(
+        num_layers=layers, num_kv_heads=kv_heads, rows_per_head=rows, head_dim=head_dim, dtype=dtype, repeats=repeats
+    )
+    print_transfer_report(run_transfer_bench(config), json_out)
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    checkpoint: Path | None = typer.Option(None, help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
+    contexts: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
+    budgets: str = typer.Option("0.25,0.10", help="Comma-separated SnapKV budget fractions."),
+    max_tokens: int = typer.Option(32, help="Output tokens per request."),
+    repeats: int = typer.Option(3, help="Measured requests per cell (after one warm-up)."),
+    threads: int = typer.Option(1, help="torch threads per process (each service and the local run)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+) -> None:
+    """TTFT and tokens/s through the gateway vs one process, full and SnapKV; transfer bytes/s vs loopback TCP."""
+    from services.launcher.bench import E2EBenchConfig, run_e2e_bench
+
+    config = E2EBenchConfig(
+        checkpoint=served_checkpoint(checkpoint), contexts=tuple(int(c) for c in contexts.split(",")),
+        budgets=tuple(float(b) for b in budgets.split(",")), max_tokens=max_tokens, repeats=repeats, threads=threads,
+    )
+    run_e2e_bench(config, json_out=json_out)
