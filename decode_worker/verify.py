@@ -1,5 +1,6 @@
 """Verify: a received view is decoded only if it is exactly what the handoff promised, its
-receipt digest recomputes, and the fence says it is current.
+receipt digest recomputes, no owner holds more rows than its budget, its K/V bytes hash to
+the receipt's payload digest, and the fence says it is current.
 
 The checks are pure decisions over values (no I/O); `Verifier`, the stage, fetches the
 manifest (the one `ManifestCache`) and the fence and calls them in order —
@@ -7,14 +8,20 @@ manifest (the one `ManifestCache`) and the fence and calls them in order —
     check_manifest(manifest, handoff, deployment)   # the receipt's manifest, and it fits (kvpolicy.fit)
     check_view(view, manifest, handoff)             # layout, shapes, dtypes, offsets, frontier
     check_offload(manifest, handoff, sidecar, view) # recallable manifests: summaries
-    recompute_receipt(manifest, handoff, view)      # digest over the positions that arrived
+    check_budgets(manifest, handoff)                # static policies: the rule's own row count
+    check_fidelity(manifest, handoff, view)         # full_cache_exact: every row of every owner
+    recompute_receipt(manifest, handoff, view)      # digest over the positions that arrived, budgets
+    check_payload(handoff, view)                    # the bytes that arrived are the digested ones
     check_fence(fence, handoff)                     # this state is current for its g_r
 
 The position sets the receipt binds are read from the received position map, so the digest
-carries the promise that every retained row is the published one. `verified_state` is the
-state a verified view realizes, what recall builds successors on. Each raises a typed error
-naming what disagrees (`ViewRejected`, `StaleTransfer`); a policy service that cannot answer
-raises `TransferFailed`.
+carries the promise that every retained row is the published one; the payload digest (bound
+by the receipt digest) carries the promise that every row's K and V bytes are the published
+ones, so a V row shifted against K or a flipped bit is refused (`packed_v[l]`, `packed_k[l]`);
+on a GPU that check copies the payload to host once (`services.kvpolicy.receipt`).
+`verified_state` is the state a verified view realizes, what recall builds successors on. Each
+raises a typed error naming what disagrees (`ViewRejected`, `StaleTransfer`); a policy service
+that cannot answer raises `TransferFailed`.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import torch
 from decode_worker.accept import Accepted
 from decode_worker.errors import StaleTransfer, TransferFailed, ViewRejected
 from decode_worker.receive import Received
+from services.kvpolicy import receipt as receipts
 from services.kvpolicy import snapkv
+from services.kvpolicy.compress import owner_capacities
 from services.kvpolicy.errors import KVPolicyError, PackingError, ReceiptMismatch
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import (
@@ -85,7 +94,11 @@ class Verifier:
                 check_manifest(manifest, handoff, self._deployment)
                 check_view(view, manifest, handoff)
                 check_offload(manifest, handoff, received.sidecar, view)
-                return recompute_receipt(manifest, handoff, view)
+                check_budgets(manifest, handoff)
+                check_fidelity(manifest, handoff, view)
+                receipt = recompute_receipt(manifest, handoff, view)
+                check_payload(handoff, view)
+                return receipt
 
             receipt = await asyncio.get_running_loop().run_in_executor(self._executor, pure_checks)
             check_fence(await self._fence(accepted.request_id), handoff)
@@ -152,17 +165,56 @@ def check_view(view: PackedKVView, manifest: KVVisibilityPolicyManifest, handoff
         raise ViewRejected(exc.reason, field=exc.field) from None
 
 
+def check_budgets(manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff) -> None:
+    """A static policy's owner budgets are its rule's row count for the frontier (the same
+    `owner_capacities` the prefill worker bound). SnapKV's come from the allocator's scores,
+    which do not travel: the receipt digest and the fence vouch for them."""
+    if manifest.selection.method is SelectionMethod.SNAPKV:
+        return
+    expected = owner_capacities(manifest, handoff.frontier, None)
+    for layer, (claimed_row, rule_row) in enumerate(zip(handoff.owner_budgets, expected, strict=True)):
+        for owner, (claimed, count) in enumerate(zip(claimed_row, rule_row, strict=True)):
+            if claimed != count:
+                raise ViewRejected(f"{claimed}, the manifest's rule keeps {count} rows",
+                                   field=f"receipt.owner_budgets[{layer}][{owner}]")
+
+
+def check_fidelity(
+    manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff, view: PackedKVView
+) -> None:
+    """A `full_cache_exact` view holds every position below the frontier for every owner (the
+    rule the prefill worker's receipt applied, `receipts.check_fidelity`)."""
+    try:
+        receipts.check_fidelity(
+            manifest, view.selected_positions(), handoff.position_origin, handoff.end
+        )
+    except ReceiptMismatch as exc:
+        raise ViewRejected(exc.reason, field=f"receipt.{exc.field}") from None
+
+
 def recompute_receipt(
     manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff, view: PackedKVView
 ) -> Receipt:
-    """The receipt of what arrived: the handoff's generations, manifest and frontier, the
-    positions read from the received position map, the manifest's protected positions. Its
-    digest must be the claimed one, so a single moved position or generation is rejected."""
+    """The receipt of what arrived: the handoff's generations, manifest, frontier, owner
+    budgets and payload digest, the positions read from the received position map, the
+    manifest's protected positions. An owner holding more rows than its budget is rejected
+    (`receipt.owner_budgets[l][h]`), and the digest must be the claimed one, so a single moved
+    position, budget or generation is rejected."""
     protected = protected_positions_for(manifest, handoff.frontier, handoff.position_origin)
     try:
         return handoff.receipt(view.selected_positions(), protected)
     except ReceiptMismatch as exc:
         raise ViewRejected(exc.reason, field=f"receipt.{exc.field}") from None
+
+
+def check_payload(handoff: ViewHandoff, view: PackedKVView) -> None:
+    """The received K/V bytes hash, layer by layer, to the payload digest the receipt binds;
+    ViewRejected names the first layer and tensor that differ (`packed_v[3]`)."""
+    try:
+        receipts.check_payload(handoff.payload, view)
+    except ReceiptMismatch as exc:
+        field = exc.field if exc.field.startswith("packed_") else f"receipt.{exc.field}"
+        raise ViewRejected(exc.reason, field=field) from None
 
 
 def protected_positions_for(
@@ -243,6 +295,7 @@ def verified_state(receipt: Receipt) -> KVPolicyState:
         selected_positions=receipt.selected_positions,
         protected_positions=receipt.protected_positions,
         position_origin=receipt.position_origin,
+        owner_budgets=receipt.owner_budgets,
     )
 
 

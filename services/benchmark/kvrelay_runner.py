@@ -1,28 +1,26 @@
 """kvrelay's side of the bench, run in its own process: the prefill worker's stages
-(forward -> score -> allocate -> select -> pack, the functions of `prefill_worker.pipeline`),
+(the prompt forward, then score -> allocate -> select -> pack: `services.kvpolicy.compress`),
 then greedy decoding from a `DecodeCache` admitted from the dense prefill K/V (full cache)
 or from each packed view (SnapKV at each budget; budget 1.0 packs every row).
 
 Between the two sides the source K/V and the views wait on disk, as they would travel to a
 decode worker: each decode configuration's memory is measured with only its own cache
-resident.
+resident. Each compression's peak RSS is measured on its own too, beside the transaction
+peak its ledger states (`TransactionPeak`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
-from prefill_worker import pipeline
-from prefill_worker.pipeline import Forward, PrefillJob
-from prefill_worker.wire import DecodeTarget, PrefillCall
 from services.benchmark.memory import PeakProbe
 from services.benchmark.results import (
     KVRELAY_FULL,
@@ -30,13 +28,14 @@ from services.benchmark.results import (
     DecodeRun,
     ModelFacts,
     PhaseMemory,
+    TransactionPeak,
 )
 from services.benchmark.worker import EngineJob, Reporter
+from services.evaluation.generation import IN_PROCESS, forward_for
+from services.kvpolicy.compress import compress
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, default_manifests
 from services.kvpolicy.packing import PackedKVView
-from services.model import DecodeCache, LoadedModel, SamplingParams, decode_step, load
-
-T = TypeVar("T")
+from services.model import DecodeCache, LoadedModel, PromptForward, decode_step, load
 
 
 def run(job: EngineJob, report: Reporter) -> None:
@@ -45,6 +44,7 @@ def run(job: EngineJob, report: Reporter) -> None:
     torch.set_num_threads(job.threads)
     for model_job in job.models:
         loaded = load(model_job.checkpoint, dtype="float32")
+        _page_in(loaded)
         report.result(model_facts(model_job.name, loaded))
         manifests = {budget: snapkv_manifest(loaded, budget, job) for budget in job.budgets}
         for context, ids in model_job.prompts:
@@ -54,6 +54,13 @@ def run(job: EngineJob, report: Reporter) -> None:
                 report.result(record)
         del loaded
         gc.collect()
+
+
+def _page_in(loaded: LoadedModel) -> None:
+    """Read every weight once before anything is measured: safetensors load memory-mapped,
+    and pages first touched by the first prompt's forward would count as its memory."""
+    for parameter in loaded.model.parameters():
+        parameter.sum()
 
 
 def model_facts(name: str, loaded: LoadedModel) -> ModelFacts:
@@ -110,26 +117,28 @@ def _measure_context(
 ) -> list[DecodeRun]:
     scratch = job.scratch / f"kvrelay-{model}-{context}"
     scratch.mkdir(parents=True, exist_ok=True)
-    prefill_s, first, stages, prefill_memory = _prefill_side(loaded, manifests, job, ids, scratch)
+    side = _prefill_side(loaded, manifests, job, ids, scratch)
     report.tick(f"{model} T={context}: kvrelay prefill + compression")
 
     def decode(engine: str, budget: float, cache: tuple[DecodeCache, int, int]) -> DecodeRun:
-        step_s, tokens, memory = _decode(loaded, cache[0], first, job.total_steps)
+        step_s, tokens, memory = _decode(loaded, cache[0], side.first_token, job.total_steps)
         report.tick(f"{model} T={context}: {engine} {budget:.0%}")
+        compressed = engine == KVRELAY_SNAPKV
         return DecodeRun(
             model=model,
             engine=engine,
             context=context,
             budget=budget,
-            prefill_s=prefill_s,
+            prefill_s=side.prefill_s,
             step_s=step_s,
             warmup_steps=job.warmup_steps,
             tokens=tokens,
             kept_rows=cache[1],
             kv_bytes=cache[2],
-            prefill_memory=prefill_memory,
+            prefill_memory=side.memory,
             decode_memory=memory,
-            compression_s=stages.get(budget, {}) if engine == KVRELAY_SNAPKV else {},
+            compression_s=side.stages.get(budget, {}) if compressed else {},
+            transaction=side.transactions.get(budget) if compressed else None,
         )
 
     runs = [decode(KVRELAY_FULL, 1.0, _dense_cache(loaded, scratch, job.total_steps))]
@@ -140,48 +149,77 @@ def _measure_context(
     return runs
 
 
+@dataclass(frozen=True)
+class _PrefillSide:
+    """One prompt's prefill side: the forward's time and token 0, each budget's stage times
+    and transaction peak, and the memory of forward and compressions together."""
+
+    prefill_s: float
+    first_token: int
+    stages: dict[float, dict[str, float]]
+    transactions: dict[float, TransactionPeak]
+    memory: PhaseMemory
+
+
 def _prefill_side(
     loaded: LoadedModel,
     manifests: dict[float, KVVisibilityPolicyManifest],
     job: EngineJob,
     ids: tuple[int, ...],
     scratch: Path,
-) -> tuple[float, int, dict[float, dict[str, float]], PhaseMemory]:
-    """forward once, then score -> allocate -> select -> pack per budget (each stage timed);
-    the dense K/V and every view go to `scratch`. Memory: forward and compression."""
+) -> _PrefillSide:
+    """forward once, then score -> allocate -> select -> pack per budget (each stage timed,
+    each compression's peak measured on its own); the dense K/V and every view go to
+    `scratch`. Memory: forward and compressions."""
     probe = PeakProbe()
     probe.start()
-    call = _call(ids, next(iter(manifests.values())))
     started = time.perf_counter()
-    fwd = pipeline.forward(loaded, PrefillJob(call, next(iter(manifests.values()))), job.chunk_size)
+    fwd = forward_for(loaded, next(iter(manifests.values())), ids, chunk_size=job.chunk_size)
     prefill_s = time.perf_counter() - started
-    stages = {}
+    forward_memory = probe.stop()
+    stages, transactions = {}, {}
     for budget, manifest in manifests.items():
-        stages[budget], view = _compress(
-            PrefillJob(replace(call, manifest_sha256=manifest.sha256), manifest), fwd
-        )
+        stages[budget], transactions[budget], view = _compress(manifest, fwd, forward_memory.start)
         _save(scratch / f"view-{budget}.pt", _view_tensors(view))
         del view
-    memory = probe.stop()
     _save(scratch / "dense.pt", {"k": fwd.result.source_k, "v": fwd.result.source_v})
-    return prefill_s, fwd.first_token, stages, memory
+    memory = _joined(forward_memory, (t.compression for t in transactions.values()))
+    return _PrefillSide(prefill_s, fwd.first_token, stages, transactions, memory)
 
 
-def _compress(job: PrefillJob, fwd: Forward) -> tuple[dict[str, float], PackedKVView]:
+def _compress(
+    manifest: KVVisibilityPolicyManifest, fwd: PromptForward, before_forward: int
+) -> tuple[dict[str, float], TransactionPeak, PackedKVView]:
+    """The compression core on the shared forward, each stage timed (`score`, `allocate`,
+    `select`, `pack`), its peak RSS measured from `before_forward` (the RSS before the
+    prompt's forward, so the source cache and observation it left count as the ledger
+    counts them)."""
     times: dict[str, float] = {}
-    manifest, length = job.manifest, fwd.prompt_len
-    scores = _timed(times, "score", pipeline.score, manifest, fwd)
-    budgets = _timed(times, "allocate", pipeline.allocate, manifest, length, scores)
-    selection = _timed(times, "select", pipeline.select, manifest, length, scores, budgets)
-    packed = _timed(times, "pack", pipeline.pack, job, fwd, selection)
-    return times, packed.view
+
+    @contextlib.contextmanager
+    def timed(stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        times[stage.removeprefix("kv.")] = time.perf_counter() - started
+
+    probe = PeakProbe()
+    probe.start()
+    compressed = compress(manifest, fwd.result, IN_PROCESS, observe=timed)
+    measured = probe.stop()
+    ledger = compressed.ledger
+    transaction = TransactionPeak(
+        ledger_peak=ledger.transaction_peak_bytes,
+        phases=ledger.transaction_phases,
+        compression=PhaseMemory(start=before_forward, peak=measured.peak, scope=measured.scope),
+    )
+    return times, transaction, compressed.view
 
 
-def _timed(times: dict[str, float], stage: str, fn: Callable[..., T], *args: object) -> T:
-    started = time.perf_counter()
-    value = fn(*args)
-    times[stage] = time.perf_counter() - started
-    return value
+def _joined(first: PhaseMemory, others: Iterable[PhaseMemory]) -> PhaseMemory:
+    """One phase made of `first` and the phases after it (the highest peak of all)."""
+    phases = [first, *others]
+    scope = first.scope if all(p.scope == first.scope for p in phases) else "process"
+    return PhaseMemory(start=first.start, peak=max(p.peak for p in phases), scope=scope)
 
 
 def _dense_cache(loaded: LoadedModel, scratch: Path, steps: int) -> tuple[DecodeCache, int, int]:
@@ -228,18 +266,6 @@ def _decode(
         tokens.append(int(logits[0].argmax()))
         step_s.append(time.perf_counter() - started)
     return tuple(step_s), tuple(tokens), probe.stop()
-
-
-def _call(ids: tuple[int, ...], manifest: KVVisibilityPolicyManifest) -> PrefillCall:
-    return PrefillCall(
-        request_id="bench",
-        request_generation=1,
-        prompt_ids=ids,
-        sampling=SamplingParams(),
-        max_tokens=1,
-        manifest_sha256=manifest.sha256,
-        decode=DecodeTarget(address="127.0.0.1:1", worker_id="bench-decode"),
-    )
 
 
 def _view_tensors(view: PackedKVView) -> dict[str, torch.Tensor]:

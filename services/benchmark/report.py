@@ -44,6 +44,15 @@ NOTES = (
     "itself added. kvrelay's decode phase holds only the cache it decodes from (the prefill "
     "side's K/V wait on disk, as they would travel to a decode worker); transformers and kvpress "
     "decode in the process that ran their prefill.",
+    "Transaction peak: the ledger's `transaction_peak_bytes` of each compression (source "
+    "cache and observation attention, plus the largest stage: scoring's input check, vote, "
+    "pooling and GQA buffers; allocation; selection; packing with source and view together; "
+    "`services.kvpolicy.workspace`) against the peak RSS measured while that compression ran, "
+    "minus the RSS before the prompt's forward (so the source and observation the forward "
+    "left count on both sides), and against the whole prefill phase's Δ (forward included, "
+    "whose activations and chunk attention the ledger does not count). The measured side also "
+    "holds what no ledger term counts: Python objects (position tuples), allocator slack, "
+    "freed memory glibc has not returned.",
     "KV bytes: the cache a decode starts from (K + V rows; kvrelay's packed-view metadata "
     "excluded). Achieved bandwidth: (KV bytes + weight bytes a step multiplies) / median step; "
     "the reference is a tensor copy counted as read + write bytes (STREAM Copy), best of 5 "
@@ -89,6 +98,7 @@ class Row:
             "compression_overhead": r.compression_overhead,
             "achieved_bytes_per_s": self.achieved_bytes_per_s,
             "bandwidth_fraction": self.bandwidth_fraction,
+            "transaction_ratio": None if r.transaction is None else r.transaction.ratio,
         }
 
 
@@ -202,6 +212,12 @@ def markdown(report: BenchReport, plots: list[str]) -> str:
             "",
             *_md_table(_ratio_header(), _ratio_cells(report, model.name)),
         ]
+        lines += [
+            "",
+            f"### Transaction peak, model `{model.name}`: ledger vs measured",
+            "",
+            *_md_table(_peak_header(), _peak_cells(report, model.name)),
+        ]
     lines += ["", "## Transfer", "", _transfer_line(report)]
     if report.skips:
         lines += ["", "## Skipped", ""] + [
@@ -229,6 +245,12 @@ def print_summary(report: BenchReport, out_dir: Path, console: Console) -> None:
         for cells in _ratio_cells(report, model.name):
             ratio_table.add_row(*cells)
         console.print(ratio_table)
+        peak_table = Table(title=f"transaction peak, model {model.name}: ledger vs measured")
+        for name in _peak_header():
+            peak_table.add_column(name, justify="right")
+        for cells in _peak_cells(report, model.name):
+            peak_table.add_row(*cells)
+        console.print(peak_table)
     console.print(_transfer_line(report))
     for skip in report.skips:
         console.print(f"skipped {skip.model} T={skip.context} {skip.engine}: {skip.reason}")
@@ -306,6 +328,42 @@ def _ratio_cells(report: BenchReport, model: str) -> list[list[str]]:
                 *(_num(v) for v in ratios(report, r).values()),
                 _flag(same_tokens(report, r, KVRELAY_FULL, 1.0)),
                 _flag(hf_match),
+            ]
+        )
+    return out
+
+
+def _peak_header() -> list[str]:
+    return [
+        "T",
+        "budget",
+        "ledger peak MiB",
+        "at stage",
+        "measured MiB (compression)",
+        "ledger / measured",
+        "measured MiB (prefill Δ)",
+        "ledger / prefill Δ",
+    ]
+
+
+def _peak_cells(report: BenchReport, model: str) -> list[list[str]]:
+    """One row per kvrelay SnapKV compression: its ledger peak and the measured peaks."""
+    out = []
+    for run in (r.run for r in rows(report) if r.run.model == model):
+        peak = run.transaction
+        if peak is None:
+            continue
+        prefill = run.prefill_memory.peak - run.prefill_memory.start
+        out.append(
+            [
+                str(run.context),
+                f"{run.budget:.0%}",
+                f"{peak.ledger_peak / _MIB:.1f}",
+                peak.peak_stage,
+                f"{peak.measured / _MIB:.1f}",
+                _num(peak.ratio),
+                f"{prefill / _MIB:.1f}",
+                _num(peak.ledger_peak / prefill if prefill > 0 else None),
             ]
         )
     return out

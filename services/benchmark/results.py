@@ -33,6 +33,32 @@ class PhaseMemory:
 
 
 @dataclass(frozen=True)
+class TransactionPeak:
+    """One compression's transaction peak as its ledger states it, beside what the prefill
+    process measured (`Ledger.transaction_phases`, bytes; `compression` is the RSS peak
+    while this compression ran, its `start` the RSS before the prompt's forward, so its Δ
+    covers the source cache and observation the forward left, as the ledger does)."""
+
+    ledger_peak: int
+    phases: dict[str, int]
+    compression: PhaseMemory
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.phases, key=lambda stage: self.phases[stage])
+
+    @property
+    def measured(self) -> int:
+        """RSS the compression added over the process before the forward (its Δ)."""
+        return self.compression.peak - self.compression.start
+
+    @property
+    def ratio(self) -> float | None:
+        """Ledger peak over the measured Δ (None when nothing was measured)."""
+        return self.ledger_peak / self.measured if self.measured > 0 else None
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """Sizes of one model, reported by the process that loaded it."""
 
@@ -57,7 +83,9 @@ class DecodeRun:
     `step_s` holds every step, warm-up included; `tokens` starts with the token sampled
     from the prefill logits. `compression_s` are kvrelay's score/allocate/select/pack stage
     times (empty for the anchors). `kv_bytes` and `kept_rows` describe the cache the decode
-    starts from (rows counted per layer and K/V head).
+    starts from (rows counted per layer and K/V head). `transaction`: kvrelay SnapKV only,
+    the ledger's transaction peak of the compression this cache came from, and the
+    memory measured while it ran.
     """
 
     model: str
@@ -73,6 +101,7 @@ class DecodeRun:
     prefill_memory: PhaseMemory
     decode_memory: PhaseMemory
     compression_s: dict[str, float] = field(default_factory=dict)
+    transaction: TransactionPeak | None = None
 
     @property
     def ms_per_token(self) -> float:

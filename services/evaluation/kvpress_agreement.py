@@ -4,7 +4,7 @@ kvpress side: the checkpoint runs in `transformers` under `with press(model)`; t
 each layer's cache after the layer's forward. Kept positions are read off the compressed cache
 by matching every kept key row to the uncompressed keys of the same forward (exact equality:
 gather copies rows), so nothing of kvpress's internals is re-implemented here.
-kvrelay side: `generation.compress`, the prefill worker's stages, on kvrelay's own runtime.
+kvrelay side: `generation.compress_prompt`, the prefill worker's stages, on kvrelay's own runtime.
 Overlap per (layer, K/V head) is |A ∩ B| / |B| (A kvrelay's rows, B kvpress's rows).
 
 Cases (compression ratio r, prompt of T tokens):
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from services.evaluation.generation import compress
+from services.demo import needle
+from services.evaluation.generation import compress_prompt
 from services.evaluation.needs import require
 from services.evaluation.policies import tensor_with_map
 from services.kvpolicy.manifest import (
@@ -40,13 +41,12 @@ from services.kvpolicy.manifest import (
     BudgetScope,
     BudgetSpec,
     KVVisibilityPolicyManifest,
-    ScoreAggregation,
     SnapKVParams,
     TensorContract,
     default_manifests,
 )
 from services.kvpolicy.state import PositionGrid
-from services.model import LoadedModel, load, needle
+from services.model import LoadedModel, load
 
 KVPRESS_PACKAGE = "kvpress"
 KVPRESS_DEFAULT_WINDOW = 64  # SnapKVPress.window_size default in kvpress 0.5.5
@@ -85,8 +85,9 @@ def kvpress_rule_manifest(
     exact = replace(
         selection,
         budget=BudgetSpec(scope=BudgetScope.OWNER, rows_per_owner=kept),
-        snapkv=SnapKVParams(observation_window=window, pooling_kernel=kernel,
-                            aggregation=ScoreAggregation.MEAN),
+        # kvpress averages the window's votes; a sum ranks every row identically (one 1/W
+        # scale), and only the sum is a manifest's (`SnapKVParams.aggregation`).
+        snapkv=SnapKVParams(observation_window=window, pooling_kernel=kernel),
         allocation=AllocationSpec(AllocationMethod.UNIFORM),
     )
     return replace(base, name="kvpress-snapkv-rule", policy_manifest_id="kvpress-snapkv-rule@1",
@@ -128,7 +129,7 @@ def agreement(
     compression_ratio: float,
 ) -> Agreement:
     """One case on one prompt: kvrelay's selection under `manifest` vs `press`'s kept rows."""
-    ours = compress(loaded, manifest, prompt_ids).selection.positions
+    ours = compress_prompt(loaded, manifest, prompt_ids).selection.positions
     theirs = kvpress_positions(model, prompt_ids, press)
     return Agreement(case, len(prompt_ids), compression_ratio, window, manifest,
                      overlap(ours, theirs), _sizes(ours), _sizes(theirs))

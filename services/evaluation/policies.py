@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.evaluation.profile import HeadProfile
+from services.kvpolicy.head_profile import HeadProfile
 from services.kvpolicy.manifest import (
     BUDGET_SCOPE_OF,
     AllocationMethod,
@@ -43,7 +43,9 @@ from services.kvpolicy.manifest import (
 
 # Allocation parameters of the sweep (PyramidKV and Ada-KV as in `default_manifests`).
 PYRAMID_BETA = 20.0
-ADAKV_ALPHA = 0.2
+# Ada-KV's share of each layer budget spread uniformly (the official code's and kvpress's
+# `alpha_safeguard`; the paper's alpha 0.8).
+ADAKV_UNIFORM_SHARE = 0.2
 HEADKV_BETA = 1.2  # HeadKV's base shrink: 1/1.2 of every owner's budget goes to the shared pool
 ZIGZAG_COVERAGE = 0.9
 
@@ -134,7 +136,7 @@ def _allocation(
     if method is AllocationMethod.PYRAMIDKV:
         return AllocationSpec(method, beta=PYRAMID_BETA)
     if method is AllocationMethod.ADAKV:
-        return AllocationSpec(method, alpha=ADAKV_ALPHA)
+        return AllocationSpec(method, uniform_share=ADAKV_UNIFORM_SHARE)
     if method is AllocationMethod.ZIGZAGKV:
         owners = tensor.num_q_heads if reduction is GQAReduction.EXPAND else tensor.num_kv_heads
         return AllocationSpec(method, b_min=owners, coverage=ZIGZAG_COVERAGE)
@@ -154,8 +156,8 @@ def _full_selection() -> SelectionContract:
 
 def _window_cell(tensor: TensorContract, budget: float, capacity: int) -> PolicyCell:
     selection = SelectionContract(
-        SelectionMethod.SLIDING_WINDOW, SelectionUnit.TOKEN, Phase.BOTH, EvidenceFamily.POSITIONAL,
-        UpdateCadence.EVERY_STEP, recent_window=capacity,
+        SelectionMethod.SLIDING_WINDOW, SelectionUnit.TOKEN, Phase.PREFILL,
+        EvidenceFamily.POSITIONAL, UpdateCadence.PREFILL_ONCE, recent_window=capacity,
     )
     manifest = _manifest(tensor, f"window-{_percent(budget)}", selection)
     return PolicyCell("window", None, None, budget, manifest)
@@ -165,8 +167,8 @@ def _sink_recent_cell(
     tensor: TensorContract, budget: float, capacity: int, sinks: int
 ) -> PolicyCell:
     selection = SelectionContract(
-        SelectionMethod.SINK_RECENT, SelectionUnit.TOKEN, Phase.BOTH, EvidenceFamily.POSITIONAL,
-        UpdateCadence.EVERY_STEP, protected=ProtectedRule(sinks=sinks),
+        SelectionMethod.SINK_RECENT, SelectionUnit.TOKEN, Phase.PREFILL,
+        EvidenceFamily.POSITIONAL, UpdateCadence.PREFILL_ONCE, protected=ProtectedRule(sinks=sinks),
         recent_window=max(capacity - sinks, 1),
     )
     manifest = _manifest(tensor, f"sink-recent-{_percent(budget)}", selection)

@@ -10,8 +10,10 @@ Methods (budgets are rows summed over a layer's owners unless noted):
   PyramidKV k_top = K_total / (beta m), k_bottom = 2 K_total / m - k_top, linear in between;
   ZigZagKV  B_min plus a residual proportional to each layer's sensitivity (its minimum
             budget to cover `coverage` of the attention mass, LMBA);
-  Ada-KV    within a layer, the global top-B of head scores gives raw head counts; the
-            safeguard alpha blends toward uniform: alpha B / H + (1 - alpha) raw;
+  Ada-KV    within a layer, the global top-B of head scores gives raw head counts B_i*; the
+            safeguard blends toward uniform: u B / H + (1 - u) B_i* with u the manifest's
+            `uniform_share` (the official code's alpha; the paper writes the same target as
+            alpha B_i* + (1 - alpha) B / H, so its alpha is 1 - u);
   HeadKV    global owner budgets from an importance profile: b - b/beta plus a share of the
             pool L H b / beta proportional to importance.
 """
@@ -122,17 +124,31 @@ def layer_min_budget(scores: torch.Tensor, coverage: float) -> list[float]:
 def adakv_layer_budgets(
     layer_scores: torch.Tensor,
     layer_total: int,
-    alpha: float,
+    uniform_share: float,
     floor: int = 0,
     cap: int | None = None,
 ) -> tuple[int, ...]:
     """Ada-KV budgets of one layer from its owner scores `[H_owner, T_p]`."""
     num_owners, prefix_len = (int(x) for x in layer_scores.shape)
-    caps = [prefix_len if cap is None else min(cap, prefix_len)] * num_owners
+    cap = prefix_len if cap is None else min(cap, prefix_len)
     raw = adakv_raw_counts(layer_scores, min(layer_total, num_owners * prefix_len))
-    a = Fraction(alpha)
-    targets = [a * Fraction(layer_total, num_owners) + (1 - a) * r for r in raw]
-    return apportion(targets, layer_total, [floor] * num_owners, caps)
+    return adakv_budgets_from_counts(raw, layer_total, uniform_share, floor, cap)
+
+
+def adakv_budgets_from_counts(
+    raw: Sequence[int],
+    layer_total: int,
+    uniform_share: float,
+    floor: int = 0,
+    cap: int | None = None,
+) -> tuple[int, ...]:
+    """One layer's Ada-KV budgets from its raw owner counts B_i*: targets
+    `u B/H + (1 - u) B_i*` (u = `uniform_share`, B = `layer_total`, H owners), apportioned to
+    integers summing exactly to B within [floor, cap] (largest remainder)."""
+    num_owners = len(raw)
+    u = Fraction(uniform_share)
+    targets = [u * Fraction(layer_total, num_owners) + (1 - u) * r for r in raw]
+    return apportion(targets, layer_total, [floor] * num_owners, [cap] * num_owners)
 
 
 def adakv_raw_counts(layer_scores: torch.Tensor, budget: int) -> list[int]:
@@ -233,11 +249,11 @@ def _dispatch(
             zigzag_layer_targets(total, lmba, spec.b_min), total, num_owners, floor, cap, spec.b_min
         )
     if spec.method is AllocationMethod.ADAKV:
-        assert spec.alpha is not None
+        assert spec.uniform_share is not None
         layer_scores = _need_scores(scores, num_layers, num_owners)
         per_layer = total // num_layers
         return tuple(
-            adakv_layer_budgets(layer_scores[layer], per_layer, spec.alpha, floor, cap)
+            adakv_layer_budgets(layer_scores[layer], per_layer, spec.uniform_share, floor, cap)
             for layer in range(num_layers)
         )
     assert spec.beta is not None
@@ -315,7 +331,8 @@ def _need_profile(
     if tuple(profile.shape) != (num_layers, num_owners):
         raise AllocationError(
             "head_profile",
-            f"expected shape [{num_layers}, {num_owners}], got {tuple(profile.shape)}",
+            f"expected shape [{num_layers}, {num_owners}] (one entry per owner: query heads under"
+            f" selection.snapkv.gqa_reduction expand, else K/V heads), got {tuple(profile.shape)}",
         )
     if profile_sha256(profile) != spec.headkv_profile_sha256:
         raise AllocationError(

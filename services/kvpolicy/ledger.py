@@ -3,17 +3,25 @@
 Bytes per row are `d_h (b_K + b_V)`. Rows are charged per owner: per K/V head by default,
 per query head when the GQA reduction is `expand` (`owners_are_query_heads`). The
 transfer of a view moves exactly `traffic_bytes`. Every byte figure is a property of the
-counted rows, here and nowhere else (the wire carries the counts; `services.transfer.codec`).
+counted rows and the counted workspace terms, here and nowhere else (the wire carries the
+counts; `services.transfer.codec`).
+
+The transaction peak is the most the compression of one prompt holds at once: the source
+cache (the parent image) and the observation attention throughout, plus the largest of its
+stages in order — scoring, allocation, selection, compaction (source and packed view, the
+successor, together) and the offload hand-off. The workspace terms are formulas of the
+manifest and the prompt length (`services.kvpolicy.workspace`, which documents each).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from services.kvpolicy.errors import PackingError
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract
 from services.kvpolicy.packing import OFFSET_DTYPE, POSITION_DTYPE
+from services.kvpolicy.workspace import Workspace, transaction_workspace
 
 _POSITION_BYTES = POSITION_DTYPE.itemsize
 _OFFSET_BYTES = OFFSET_DTYPE.itemsize
@@ -31,6 +39,22 @@ class Ledger:
         which travel with the view as metadata; 0 when omitted rows are irrecoverable.
     host_tier_bytes: omitted rows that travel with the view to the decode worker's host
         tier (`recallable_local`: K, V, positions and page row starts); 0 otherwise.
+    source_rows: rows of the source cache the view is gathered from, L * H_kv * T (the
+        parent image; fewer than `full_rows` when owners are query heads).
+
+    Workspace of the compression transaction (bytes; `services.kvpolicy.workspace`; 0 in a
+    ledger built without a manifest, `build_ledger`):
+
+    observation_bytes: the observation attention `[L, H_q, W, T]` fp32, 4 L H_q W T with
+        W = min(W_obs, T); 0 for static policies.
+    score_bytes: SnapKV owner scores `[L, H_owner, T - W]` fp32, 4 L H_owner (T - W).
+    score_workspace_bytes: the most scoring holds at once besides the observation: the
+        input check (7 L H_q W T), the vote, the pooling buffers, the GQA reduction.
+    allocator_workspace_bytes: the allocator's tensors besides the scores (Ada-KV,
+        ZigZagKV; 0 for the exact-fraction allocators and a prompt within capacity).
+    selection_workspace_bytes: the selector's NaN mask or one owner's sort.
+    compaction_workspace_bytes: packing's int64 gather index and its view check,
+        17 R + 16 L H_owner.
     """
 
     bytes_per_row: int
@@ -41,8 +65,15 @@ class Ledger:
     visible_rows: int
     unique_kv_rows: int
     query_expanded_rows: int
+    source_rows: int
     page_summary_bytes: int = 0
     host_tier_bytes: int = 0
+    observation_bytes: int = 0
+    score_bytes: int = 0
+    score_workspace_bytes: int = 0
+    allocator_workspace_bytes: int = 0
+    selection_workspace_bytes: int = 0
+    compaction_workspace_bytes: int = 0
 
     @property
     def full_rows(self) -> int:
@@ -95,9 +126,38 @@ class Ledger:
         return self.visible_payload_bytes + self.metadata_bytes + self.host_tier_bytes
 
     @property
+    def source_payload_bytes(self) -> int:
+        """The source cache (parent image) K and V, `[L, H_kv, T, d_h]` each."""
+        return self.source_rows * self.bytes_per_row
+
+    @property
+    def transaction_phases(self) -> dict[str, int]:
+        """Bytes held at the peak of each stage of the compression transaction, in order.
+        Source cache and observation attention are held throughout; the scores from scoring
+        until packing ends; the packed view (the successor) from compaction on.
+
+            score     S_src + O + score workspace
+            allocate  S_src + O + scores + allocator workspace
+            select    S_src + O + scores + selection workspace
+            pack      S_src + O + scores + view (payload, position map, offsets)
+                      + compaction workspace
+            offload   S_src + O + view + page summaries + host-tier rows
+        """
+        held = self.source_payload_bytes + self.observation_bytes
+        view = self.visible_payload_bytes + self.position_map_bytes + self.offsets_bytes
+        scored = held + self.score_bytes
+        return {
+            "score": held + self.score_workspace_bytes,
+            "allocate": scored + self.allocator_workspace_bytes,
+            "select": scored + self.selection_workspace_bytes,
+            "pack": scored + view + self.compaction_workspace_bytes,
+            "offload": held + view + self.page_summary_bytes + self.host_tier_bytes,
+        }
+
+    @property
     def transaction_peak_bytes(self) -> int:
-        """Peak while packing: the full source cache and the packed view exist together."""
-        return self.full_payload_bytes + self.visible_payload_bytes + self.metadata_bytes
+        """The most any stage of the transaction holds at once (`transaction_phases`)."""
+        return max(self.transaction_phases.values())
 
 
 def build_ledger(
@@ -133,6 +193,7 @@ def build_ledger(
         visible_rows=visible,
         unique_kv_rows=unique,
         query_expanded_rows=expanded,
+        source_rows=tensor.num_layers * tensor.num_kv_heads * prompt_len,
     )
 
 
@@ -141,9 +202,16 @@ def ledger_for(
     prompt_len: int,
     selected: Sequence[Sequence[Sequence[int]]],
 ) -> Ledger:
-    """`build_ledger` with the owner kind the manifest declares."""
+    """`build_ledger` with the owner kind the manifest declares, and the workspace of the
+    transaction that compressed the prompt into `selected` (`transaction_workspace`)."""
     owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
-    return build_ledger(manifest.tensor, prompt_len, selected, owner_map)
+    ledger = build_ledger(manifest.tensor, prompt_len, selected, owner_map)
+    return with_workspace(ledger, transaction_workspace(manifest, prompt_len, selected))
+
+
+def with_workspace(ledger: Ledger, workspace: Workspace) -> Ledger:
+    """The ledger of a view whose compression held `workspace`."""
+    return replace(ledger, **{f.name: getattr(workspace, f.name) for f in fields(workspace)})
 
 
 def with_page_summaries(ledger: Ledger, page_summary_bytes: int) -> Ledger:

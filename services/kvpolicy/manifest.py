@@ -10,6 +10,10 @@ Identity is the SHA-256 of the canonical JSON (object keys sorted recursively, a
 order, compact separators, UTF-8). Every contract validates itself in `__post_init__`;
 the manifest adds the cross-contract rules. Failures raise `ManifestInvalid` naming the
 dotted field path, e.g. `selection.snapkv.observation_window`.
+
+Validation is cheap whatever the input: every integer is range-checked (the bounds below)
+before anything is expanded per head or per position, arrays are length-checked before their
+items are read, and a bad value is echoed in at most ~100 characters (`services.echo`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,30 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Any, get_type_hints
 
+from services.echo import echo
 from services.kvpolicy.errors import ManifestInvalid
 
 SCHEMA_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MAX_NAME_CHARS = 64
+_NAME = re.compile(rf"^[a-z0-9][a-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}$")
+
+# Bounds on every integer of a manifest, checked before any per-head or per-position structure
+# is built. They cover real models with room to spare: Llama 3.1 405B has 126 layers, 128 query
+# and 8 K/V heads of dimension 128; Gemma 2 uses head_dim 256, DeepSeek-V3's MLA 192; context
+# windows reach 10M tokens (Llama 4 Scout). Generations are stored as Lua numbers (IEEE doubles)
+# in Redis and sent as int64 on the wire, so they stay below 2**53.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024  # query heads, hence K/V heads and entries of q_to_kv_head_map
+MAX_HEAD_DIM = 4096
+MAX_LAYER_HEADS = 2**17  # layers x query heads: how many (layer, head) owners a manifest may imply
+MAX_TOKENS = 2**24  # windows, sinks, budgets, pages, cadences: 16M positions
+MAX_POOLING_KERNEL = 1023  # SnapKV pools votes over 5-13 positions
+MAX_RECALL_TIMEOUT_MS = 3_600_000
+MAX_GENERATION = 2**53 - 1
+MAX_TEXT_CHARS = 256  # free-text identifiers: policy_manifest_id, handoff_id, consumer_schema
+# JSON integers longer than this are not parsed into Python ints at all (no field takes one).
+_MAX_INT_DIGITS = 24
 
 
 class DType(StrEnum):
@@ -71,6 +94,11 @@ class SelectionUnit(StrEnum):
 
 
 class Phase(StrEnum):
+    """When the selection rule runs. Whatever the phase, decode appends every new row to every
+    owner; `decode`/`both` with a cadence other than `never` declare decode-time retention
+    (evicting rows while decoding), which this runtime does not perform yet: the one fit check
+    (`services.kvpolicy.fit`) refuses such a manifest."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
@@ -83,9 +111,9 @@ class EvidenceFamily(StrEnum):
 
 
 class UpdateCadence(StrEnum):
-    NEVER = "never"
-    PREFILL_ONCE = "prefill_once"
-    EVERY_STEP = "every_step"
+    NEVER = "never"  # nothing is ever dropped (full): decode only appends
+    PREFILL_ONCE = "prefill_once"  # selected once at prefill, then decode only appends
+    EVERY_STEP = "every_step"  # re-selected at every decode step (decode-time retention)
 
 
 class TieRule(StrEnum):
@@ -108,6 +136,16 @@ class GQAReduction(StrEnum):
     MEAN = "mean"  # owners are K/V heads, storage charged at H_kv
     MAX = "max"  # owners are K/V heads, storage charged at H_kv
     EXPAND = "expand"  # owners are query heads, storage charged at H_q
+
+
+class GQAOrder(StrEnum):
+    """Whether SnapKV pools each query head's votes before reducing them over the K/V group
+    (kvrelay's order) or reduces the group's votes first and pools the result (the order of
+    e.g. Ada-KV's and kvpress's GQA code). Equal when both steps are linear (mean + avg) or
+    both are maxima (max + max); different for mean + max pooling and max + avg pooling."""
+
+    POOL_THEN_REDUCE = "pool_then_reduce"
+    REDUCE_THEN_POOL = "reduce_then_pool"
 
 
 class AllocationMethod(StrEnum):
@@ -148,7 +186,7 @@ class TimeoutFallback(StrEnum):
 
 class InvalidStateAction(StrEnum):
     FAIL_REQUEST = "fail_request"
-    REPREFILL = "reprefill"  # run prefill again under a new request generation
+    REPREFILL = "reprefill"  # prefill again under a new request generation (the gateway's way)
 
 
 class CapacityAction(StrEnum):
@@ -156,23 +194,42 @@ class CapacityAction(StrEnum):
     RETRY_OTHER_WORKER = "retry_other_worker"
 
 
+def is_policy_name(value: str) -> bool:
+    """The rule of a manifest's `name`: 1-64 of a-z, 0-9, `.`, `_`, `-`, not starting with
+    punctuation."""
+    return bool(_NAME.fullmatch(value))
+
+
 def _fail(path: str, message: str) -> typing.NoReturn:
     raise ManifestInvalid(path, message)
 
 
-def _positive(path: str, value: int) -> None:
-    if value <= 0:
-        _fail(path, f"must be positive, got {value}")
+def _in_range(path: str, value: int, low: int, high: int) -> None:
+    """An integer (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(path, f"expected an integer, got {echo(value)}")
+    if not low <= value <= high:
+        _fail(path, f"{echo(value)} is not in [{low}, {high}]")
 
 
-def _non_negative(path: str, value: int | float) -> None:
-    if value < 0:
-        _fail(path, f"must be non-negative, got {value}")
+def _optional_in_range(path: str, value: int | None, low: int, high: int) -> None:
+    if value is not None:
+        _in_range(path, value, low, high)
 
 
 def _hex64(path: str, value: str) -> None:
-    if not _HEX64.match(value):
-        _fail(path, "must be 64 lowercase hex characters (a SHA-256 digest)")
+    if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        _fail(path, f"must be 64 lowercase hex characters (a SHA-256 digest), got {echo(value)}")
+
+
+def _text(path: str, value: str | None) -> None:
+    """A free-text identifier: not blank, at most MAX_TEXT_CHARS characters."""
+    if value is None:
+        return
+    if len(value) > MAX_TEXT_CHARS:
+        _fail(path, f"{len(value)} characters exceeds the limit of {MAX_TEXT_CHARS}")
+    if not value.strip():
+        _fail(path, "must not be blank")
 
 
 def _required_iff(path: str, value: object, needed: bool, why: str) -> None:
@@ -204,33 +261,72 @@ class TensorContract:
 
     def __post_init__(self) -> None:
         _normalize(self, "tensor")
-        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
-            _positive(f"tensor.{name}", getattr(self, name))
-        if self.gqa_grouping is GQAGrouping.CONTIGUOUS and self.num_q_heads % self.num_kv_heads:
+        self._check_sizes()
+        custom = self.gqa_grouping is GQAGrouping.CUSTOM
+        if custom and not self.q_to_kv_head_map:
+            _fail("tensor.gqa_grouping", "custom needs a declared tensor.q_to_kv_head_map")
+        if not custom and self.num_q_heads % self.num_kv_heads:
             _fail(
                 "tensor.gqa_grouping",
-                f"contiguous grouping needs H_q ({self.num_q_heads}) divisible by H_kv ({self.num_kv_heads})",
+                f"contiguous grouping needs tensor.num_q_heads ({self.num_q_heads}) divisible by"
+                f" tensor.num_kv_heads ({self.num_kv_heads})",
             )
         if self.q_to_kv_head_map:
             self._check_map()
 
+    def _check_sizes(self) -> None:
+        """Cheap bounds first: nothing below is sized by a value these have not bounded."""
+        _in_range("tensor.num_layers", self.num_layers, 1, MAX_LAYERS)
+        _in_range("tensor.num_q_heads", self.num_q_heads, 1, MAX_HEADS)
+        # Every K/V head is read by at least one query head.
+        _in_range("tensor.num_kv_heads", self.num_kv_heads, 1, self.num_q_heads)
+        _in_range("tensor.head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        if self.num_layers * self.num_q_heads > MAX_LAYER_HEADS:
+            _fail(
+                "tensor.num_q_heads",
+                f"{self.num_layers} layers x {self.num_q_heads} query heads exceeds the limit of"
+                f" {MAX_LAYER_HEADS} (layer, head) pairs",
+            )
+        if len(self.q_to_kv_head_map) > self.num_q_heads:
+            _fail(
+                "tensor.q_to_kv_head_map",
+                f"has {len(self.q_to_kv_head_map)} entries, expected tensor.num_q_heads ="
+                f" {self.num_q_heads}",
+            )
+
     def _check_map(self) -> None:
         path, head_map = "tensor.q_to_kv_head_map", self.q_to_kv_head_map
         if len(head_map) != self.num_q_heads:
-            _fail(path, f"has {len(head_map)} entries, expected H_q = {self.num_q_heads}")
+            _fail(
+                path,
+                f"has {len(head_map)} entries, expected tensor.num_q_heads = {self.num_q_heads}",
+            )
         for q, kv in enumerate(head_map):
+            if isinstance(kv, bool) or not isinstance(kv, int):
+                _fail(f"{path}[{q}]", f"expected an integer, got {echo(kv)}")
             if not 0 <= kv < self.num_kv_heads:
                 _fail(
-                    path, f"query head {q} maps to K/V head {kv}, outside [0, {self.num_kv_heads})"
+                    path,
+                    f"query head {q} maps to K/V head {echo(kv)}, outside"
+                    f" [0, tensor.num_kv_heads = {self.num_kv_heads})",
                 )
         unused = sorted(set(range(self.num_kv_heads)) - set(head_map))
         if unused:
-            _fail(path, f"K/V heads {unused} are read by no query head")
-        expected = contiguous_q_to_kv_head_map(self.num_q_heads, self.num_kv_heads)
-        if self.gqa_grouping is GQAGrouping.CONTIGUOUS and head_map != expected:
+            _fail(path, f"K/V heads {echo(unused)} are read by no query head")
+        # The label says what the map is, so neither can change alone.
+        divisible = self.num_q_heads % self.num_kv_heads == 0
+        is_contiguous = divisible and head_map == contiguous_q_to_kv_head_map(
+            self.num_q_heads, self.num_kv_heads
+        )
+        if self.gqa_grouping is GQAGrouping.CONTIGUOUS and not is_contiguous:
             _fail(
                 path,
-                f"{list(head_map)} contradicts the declared contiguous grouping {list(expected)}",
+                f"{echo(list(head_map))} contradicts the declared contiguous tensor.gqa_grouping",
+            )
+        if self.gqa_grouping is GQAGrouping.CUSTOM and is_contiguous:
+            _fail(
+                "tensor.gqa_grouping",
+                "custom, but tensor.q_to_kv_head_map is the contiguous map: declare contiguous",
             )
 
     @property
@@ -259,7 +355,7 @@ class ProtectedRule:
 
     def __post_init__(self) -> None:
         _normalize(self, "selection.protected")
-        _non_negative("selection.protected.sinks", self.sinks)
+        _in_range("selection.protected.sinks", self.sinks, 0, MAX_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -277,36 +373,73 @@ class BudgetSpec:
         _normalize(self, "selection.budget")
         if (self.rows_per_owner is None) == (self.fraction is None):
             _fail("selection.budget", "exactly one of rows_per_owner and fraction must be set")
-        if self.rows_per_owner is not None:
-            _positive("selection.budget.rows_per_owner", self.rows_per_owner)
+        _optional_in_range("selection.budget.rows_per_owner", self.rows_per_owner, 1, MAX_TOKENS)
         if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
-            _fail("selection.budget.fraction", f"must be in (0, 1], got {self.fraction}")
+            _fail("selection.budget.fraction", f"must be in (0, 1], got {echo(self.fraction)}")
 
 
 @dataclass(frozen=True)
 class SnapKVParams:
-    """SnapKV evidence: the last `observation_window` prompt queries vote for prefix keys."""
+    """SnapKV evidence: the last `observation_window` prompt queries vote for prefix keys.
+
+    `aggregation`: the vote over the window queries. Only `sum` (the paper's) is accepted:
+    `mean` divides every score of a prompt by the same W, which ranks every row, owner and layer
+    exactly as `sum` does, so declaring it would change nothing that is served.
+    `pooling_kernel` 1 pools nothing, so it goes with `pooling: none` and only with it.
+    `gqa_order`: pool each query head's votes then reduce over the K/V group (default), or
+    reduce then pool (`GQAOrder`). `reduce_then_pool` is accepted only where the two orders
+    give different scores: gqa_reduction mean with max pooling, or max with avg pooling.
+    """
 
     observation_window: int
     pooling: Pooling = Pooling.AVG
     pooling_kernel: int = 5
     aggregation: ScoreAggregation = ScoreAggregation.SUM
     gqa_reduction: GQAReduction = GQAReduction.MEAN
+    gqa_order: GQAOrder = GQAOrder.POOL_THEN_REDUCE
 
     def __post_init__(self) -> None:
         _normalize(self, "selection.snapkv")
-        _positive("selection.snapkv.observation_window", self.observation_window)
+        _in_range("selection.snapkv.observation_window", self.observation_window, 1, MAX_TOKENS)
         kernel_path = "selection.snapkv.pooling_kernel"
-        if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
+        _in_range(kernel_path, self.pooling_kernel, 1, MAX_POOLING_KERNEL)
+        if self.pooling_kernel % 2 == 0:
             _fail(kernel_path, f"must be a positive odd number, got {self.pooling_kernel}")
-        if self.pooling is Pooling.NONE and self.pooling_kernel != 1:
-            _fail(kernel_path, "must be 1 when pooling is none")
+        if (self.pooling is Pooling.NONE) != (self.pooling_kernel == 1):
+            _fail(
+                kernel_path,
+                f"{self.pooling_kernel} with selection.snapkv.pooling {self.pooling.value}: a"
+                " kernel of 1 pools nothing, so it is exactly pooling none",
+            )
+        if self.aggregation is not ScoreAggregation.SUM:
+            _fail(
+                "selection.snapkv.aggregation",
+                f"{self.aggregation.value} ranks every row as sum does (one 1/W scale):"
+                " declare sum",
+            )
+        if self.gqa_order is GQAOrder.REDUCE_THEN_POOL and not self.orders_differ:
+            _fail(
+                "selection.snapkv.gqa_order",
+                f"with selection.snapkv.gqa_reduction {self.gqa_reduction.value} and"
+                f" selection.snapkv.pooling {self.pooling.value} (kernel {self.pooling_kernel})"
+                " both orders give the same scores: declare pool_then_reduce",
+            )
+
+    @property
+    def orders_differ(self) -> bool:
+        """Whether pooling before or after the GQA reduction can give different scores."""
+        if self.pooling_kernel == 1 or self.pooling is Pooling.NONE:
+            return False
+        return (self.gqa_reduction, self.pooling) in (
+            (GQAReduction.MEAN, Pooling.MAX),
+            (GQAReduction.MAX, Pooling.AVG),
+        )
 
 
 _ALLOCATION_PARAMS: dict[AllocationMethod, frozenset[str]] = {
     AllocationMethod.UNIFORM: frozenset(),
     AllocationMethod.PYRAMIDKV: frozenset({"beta"}),
-    AllocationMethod.ADAKV: frozenset({"alpha"}),
+    AllocationMethod.ADAKV: frozenset({"uniform_share"}),
     AllocationMethod.HEADKV: frozenset({"beta", "headkv_profile_sha256"}),
     AllocationMethod.ZIGZAGKV: frozenset({"b_min", "coverage"}),
 }
@@ -324,15 +457,23 @@ class AllocationSpec:
     """How the selection budget is split into integer budgets K[l][h] (exactly conserved).
 
     beta: PyramidKV top/bottom ratio and HeadKV base shrink (b - b/beta), >= 1.
-    alpha: Ada-KV safeguard, the share blended toward uniform, in [0, 1].
+    uniform_share: Ada-KV's safeguard, in [0, 1]: the share of a layer's budget B spread
+        evenly over its H owners. Owner i's target is `u B/H + (1 - u) B_i*` with u the
+        uniform share and B_i* its count among the layer's global top-B scores. This is the
+        official Ada-KV code's `alpha`; the paper's alpha weighs the other term
+        (`alpha B_i* + (1 - alpha) B/H`), so the paper's alpha is 1 - uniform_share.
+        (Renamed from `alpha`, which read as the paper's; old JSON naming `alpha` is refused,
+        naming it, rather than guessed.)
     b_min: ZigZagKV per-layer floor (rows summed over the layer's owners).
     coverage: ZigZagKV attention-mass coverage defining each layer's minimum budget.
-    floor_rows / cap_rows: per-owner bounds on the selected (non-protected) rows.
+    floor_rows / cap_rows: per-owner bounds on the selected (non-protected) rows. Not for
+        uniform, which gives every owner the same budget (a bound either changes nothing or
+        cannot be met).
     """
 
     method: AllocationMethod
     beta: float | None = None
-    alpha: float | None = None
+    uniform_share: float | None = None
     b_min: int | None = None
     coverage: float | None = None
     headkv_profile_sha256: str | None = None
@@ -342,29 +483,39 @@ class AllocationSpec:
     def __post_init__(self) -> None:
         _normalize(self, "selection.allocation")
         allowed = _ALLOCATION_PARAMS[self.method]
-        for name in ("beta", "alpha", "b_min", "coverage", "headkv_profile_sha256"):
+        for name in ("beta", "uniform_share", "b_min", "coverage", "headkv_profile_sha256"):
             _required_iff(
                 f"selection.allocation.{name}",
                 getattr(self, name),
                 name in allowed,
-                f"for method {self.method.value}",
+                f"for selection.allocation.method {self.method.value}",
             )
         if self.beta is not None and self.beta < 1.0:
-            _fail("selection.allocation.beta", f"must be >= 1, got {self.beta}")
-        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
-            _fail("selection.allocation.alpha", f"must be in [0, 1], got {self.alpha}")
-        if self.b_min is not None:
-            _non_negative("selection.allocation.b_min", self.b_min)
+            _fail("selection.allocation.beta", f"must be >= 1, got {echo(self.beta)}")
+        share = self.uniform_share
+        if share is not None and not 0.0 <= share <= 1.0:
+            _fail("selection.allocation.uniform_share", f"must be in [0, 1], got {echo(share)}")
+        # b_min sums over a layer's owners (at most MAX_HEADS of them).
+        _optional_in_range("selection.allocation.b_min", self.b_min, 0, MAX_TOKENS * MAX_HEADS)
         if self.coverage is not None and not 0.0 < self.coverage <= 1.0:
-            _fail("selection.allocation.coverage", f"must be in (0, 1], got {self.coverage}")
+            _fail("selection.allocation.coverage", f"must be in (0, 1], got {echo(self.coverage)}")
         if self.headkv_profile_sha256 is not None:
             _hex64("selection.allocation.headkv_profile_sha256", self.headkv_profile_sha256)
-        _non_negative("selection.allocation.floor_rows", self.floor_rows)
+        _in_range("selection.allocation.floor_rows", self.floor_rows, 0, MAX_TOKENS)
+        _optional_in_range("selection.allocation.cap_rows", self.cap_rows, 1, MAX_TOKENS)
         if self.cap_rows is not None and self.cap_rows < max(self.floor_rows, 1):
             _fail(
                 "selection.allocation.cap_rows",
-                f"must be >= max(floor_rows, 1), got {self.cap_rows}",
+                f"must be >= max(selection.allocation.floor_rows, 1), got {self.cap_rows}",
             )
+        if self.method is AllocationMethod.UNIFORM:
+            for name, unset in (("floor_rows", 0), ("cap_rows", None)):
+                if getattr(self, name) != unset:
+                    _fail(
+                        f"selection.allocation.{name}",
+                        "uniform gives every owner the same budget (selection.allocation.method"
+                        " uniform): a bound would change nothing or could not be met",
+                    )
 
 
 _EVIDENCE_OF: dict[SelectionMethod, EvidenceFamily] = {
@@ -387,6 +538,10 @@ class SelectionContract:
 
     Budgets (`budget`, `allocation`) apply to SnapKV; the static methods are bounded by
     `recent_window` and `protected.sinks`. Protected rows are retained outside the budget.
+    `tie_rule` orders equal SnapKV scores; the static methods score nothing, so they take the
+    default. `phase` and `update_cadence` say when selection runs (see `Phase`): SnapKV and the
+    served static policies select once, at prefill (`prefill`, `prefill_once`), and decode
+    appends every new row.
     """
 
     method: SelectionMethod
@@ -410,20 +565,28 @@ class SelectionContract:
             "selection.recent_window",
             self.recent_window,
             is_static_window,
-            "for sliding_window and sink_recent",
+            "for selection.method sliding_window and sink_recent",
         )
-        _required_iff("selection.budget", self.budget, is_snapkv, "for snapkv")
-        _required_iff("selection.snapkv", self.snapkv, is_snapkv, "for snapkv")
-        _required_iff("selection.allocation", self.allocation, is_snapkv, "for snapkv")
-        if self.recent_window is not None:
-            _positive("selection.recent_window", self.recent_window)
+        for name in ("budget", "snapkv", "allocation"):
+            _required_iff(
+                f"selection.{name}", getattr(self, name), is_snapkv, "for selection.method snapkv"
+            )
+        _optional_in_range("selection.recent_window", self.recent_window, 1, MAX_TOKENS)
         if self.evidence is not _EVIDENCE_OF[method]:
             _fail(
                 "selection.evidence",
-                f"method {method.value} uses evidence {_EVIDENCE_OF[method].value}",
+                f"selection.method {method.value} uses evidence {_EVIDENCE_OF[method].value}",
             )
         if self.unit is not _UNIT_OF[method]:
-            _fail("selection.unit", f"method {method.value} selects per {_UNIT_OF[method].value}")
+            _fail(
+                "selection.unit",
+                f"selection.method {method.value} selects per {_UNIT_OF[method].value}",
+            )
+        if not is_snapkv and self.tie_rule is not TieRule.POSITION_ASCENDING:
+            _fail(
+                "selection.tie_rule",
+                f"selection.method {method.value} scores nothing, so it has no ties to order",
+            )
         self._check_protected()
         self._check_phase_and_cadence()
         if self.budget is not None and self.snapkv is not None and self.allocation is not None:
@@ -432,13 +595,18 @@ class SelectionContract:
     def _check_protected(self) -> None:
         sinks_allowed = self.method in (SelectionMethod.SINK_RECENT, SelectionMethod.SNAPKV)
         if self.method is SelectionMethod.SINK_RECENT and self.protected.sinks < 1:
-            _fail("selection.protected.sinks", "sink_recent needs at least one sink")
+            _fail(
+                "selection.protected.sinks", "selection.method sink_recent needs at least one sink"
+            )
         if not sinks_allowed and self.protected.sinks:
-            _fail("selection.protected.sinks", f"method {self.method.value} has no sinks")
+            _fail(
+                "selection.protected.sinks", f"selection.method {self.method.value} has no sinks"
+            )
         if self.protected.observation_suffix != (self.method is SelectionMethod.SNAPKV):
             _fail(
                 "selection.protected.observation_suffix",
-                "true exactly for snapkv, which always retains its observation window",
+                "true exactly for selection.method snapkv, which always retains its observation"
+                " window",
             )
 
     def _check_phase_and_cadence(self) -> None:
@@ -449,11 +617,14 @@ class SelectionContract:
         else:
             expected = UpdateCadence.EVERY_STEP
         if self.method is SelectionMethod.SNAPKV and self.phase is not Phase.PREFILL:
-            _fail("selection.phase", "snapkv selects once, at prefill")
+            _fail("selection.phase", "selection.method snapkv selects once, at prefill")
+        if self.method is SelectionMethod.FULL and self.phase is not Phase.BOTH:
+            _fail("selection.phase", "selection.method full keeps every row in both phases: both")
         if self.update_cadence is not expected:
             _fail(
                 "selection.update_cadence",
-                f"method {self.method.value} in phase {self.phase.value} updates {expected.value}",
+                f"selection.method {self.method.value} in selection.phase {self.phase.value}"
+                f" updates {expected.value}",
             )
 
     def _check_snapkv_budget(
@@ -463,13 +634,15 @@ class SelectionContract:
         if budget.rows_per_owner is not None and budget.rows_per_owner <= protected:
             _fail(
                 "selection.budget.rows_per_owner",
-                f"capacity {budget.rows_per_owner} must exceed the protected rows (W_obs + sinks = {protected})",
+                f"capacity {budget.rows_per_owner} must exceed the protected rows"
+                f" (selection.snapkv.observation_window + selection.protected.sinks = {protected})",
             )
         expected_scope = BUDGET_SCOPE_OF[allocation.method]
         if budget.scope is not expected_scope:
             _fail(
                 "selection.budget.scope",
-                f"allocation {allocation.method.value} conserves per {expected_scope.value}",
+                f"selection.allocation.method {allocation.method.value} conserves per"
+                f" {expected_scope.value}",
             )
 
     @property
@@ -497,7 +670,13 @@ class SelectionContract:
 
 @dataclass(frozen=True)
 class RepresentationContract:
-    """What a visible row is (an original row or a replacement) and how exact the view is."""
+    """What a visible row is (an original row or a replacement) and how exact the view is.
+
+    `consumer_schema` names the reader of replacement rows, so it is declared exactly for
+    `lossy_replacement`. No producer of replacement rows exists yet: the fit check refuses
+    `replacement_rows`. `full_cache_exact` binds every row of every owner: a state or view
+    that omits one is refused (`services.kvpolicy.receipt.check_fidelity`).
+    """
 
     rows: RowKind
     fidelity: Fidelity
@@ -505,19 +684,29 @@ class RepresentationContract:
 
     def __post_init__(self) -> None:
         _normalize(self, "representation")
+        _text("representation.consumer_schema", self.consumer_schema)
         replacement = self.rows is RowKind.REPLACEMENT_ROWS
-        if replacement and self.fidelity is not Fidelity.LOSSY_REPLACEMENT:
-            _fail("representation.rows", f"replacement_rows cannot be {self.fidelity.value}")
-        if self.fidelity is Fidelity.LOSSY_REPLACEMENT and not self.consumer_schema:
+        if replacement != (self.fidelity is Fidelity.LOSSY_REPLACEMENT):
             _fail(
-                "representation.consumer_schema",
-                "lossy_replacement needs the consumer schema that reads replacement rows",
+                "representation.rows",
+                f"{self.rows.value} cannot be representation.fidelity {self.fidelity.value}",
             )
+        _required_iff(
+            "representation.consumer_schema",
+            self.consumer_schema,
+            replacement,
+            "for representation.fidelity lossy_replacement (the reader of replacement rows)",
+        )
 
 
 @dataclass(frozen=True)
 class RecoverabilityContract:
-    """Whether omitted rows can come back, from where, when, and what a timeout does."""
+    """Whether omitted rows can come back, from where, when, and what a timeout does.
+
+    `handoff_id` stays null: a handoff id names one stored state's rows and is assigned by the
+    prefill worker's offload tier per state (it travels in the transfer descriptor), so a
+    policy cannot declare one. The field is kept so that manifests written with it null parse.
+    """
 
     mode: RecoverabilityMode
     handoff_id: str | None = None
@@ -532,7 +721,6 @@ class RecoverabilityContract:
     )
 
     _RECALL_FIELDS = (
-        "handoff_id",
         "recall_threshold",
         "page_size",
         "max_pages_per_step",
@@ -548,34 +736,38 @@ class RecoverabilityContract:
                 f"recoverability.{name}",
                 getattr(self, name),
                 self.recallable,
-                "for a recallable mode",
+                "for a recallable recoverability.mode",
             )
         if not self.recallable and self.full_recall_on_quality_gate is not None:
             _fail(
-                "recoverability.full_recall_on_quality_gate", "only allowed for a recallable mode"
+                "recoverability.full_recall_on_quality_gate",
+                "only allowed for a recallable recoverability.mode",
             )
-        if self.handoff_id is not None and not self.handoff_id.strip():
-            _fail("recoverability.handoff_id", "must not be blank")
+        if self.handoff_id is not None:
+            _fail(
+                "recoverability.handoff_id",
+                "handoff ids are assigned per stored state by the prefill worker's offload tier;"
+                " a manifest leaves it null",
+            )
         # A threshold of 0 recalls every page still omitted (recall as exact fallback);
         # the full-recall gate sits strictly above it.
         threshold, gate = self.recall_threshold, self.full_recall_on_quality_gate
         if threshold is not None and not 0.0 <= threshold < 1.0:
-            _fail("recoverability.recall_threshold", f"must be in [0, 1), got {threshold}")
+            _fail("recoverability.recall_threshold", f"must be in [0, 1), got {echo(threshold)}")
         if gate is not None and not 0.0 < gate < 1.0:
-            _fail("recoverability.full_recall_on_quality_gate", f"must be in (0, 1), got {gate}")
-        for name in (
-            "page_size",
-            "max_pages_per_step",
-            "recall_cadence_steps",
-            "recall_timeout_ms",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                _positive(f"recoverability.{name}", value)
+            _fail(
+                "recoverability.full_recall_on_quality_gate", f"must be in (0, 1), got {echo(gate)}"
+            )
+        for name in ("page_size", "max_pages_per_step", "recall_cadence_steps"):
+            _optional_in_range(f"recoverability.{name}", getattr(self, name), 1, MAX_TOKENS)
+        _optional_in_range(
+            "recoverability.recall_timeout_ms", self.recall_timeout_ms, 1, MAX_RECALL_TIMEOUT_MS
+        )
         if gate is not None and threshold is not None and gate <= threshold:
             _fail(
                 "recoverability.full_recall_on_quality_gate",
-                f"{gate} must exceed recall_threshold {threshold} (the full-recall gate is higher)",
+                f"{gate} must exceed recoverability.recall_threshold {threshold} (the full-recall"
+                " gate is higher)",
             )
 
     @property
@@ -587,10 +779,14 @@ class RecoverabilityContract:
 class QualityContract:
     """Fallback actions for an invalid state and for a decode worker without capacity.
 
-    The recall-timeout fallback lives with the rest of recall in `RecoverabilityContract`.
+    The defaults are what the gateway does: a state that fails verification before the first
+    token is prefilled again under a new request generation, and a worker without room is
+    replaced by another, within the request's retry and admission limits. The fit check
+    refuses the other values until the gateway performs them. The recall-timeout fallback
+    lives with the rest of recall in `RecoverabilityContract`.
     """
 
-    on_invalid_state: InvalidStateAction = InvalidStateAction.FAIL_REQUEST
+    on_invalid_state: InvalidStateAction = InvalidStateAction.REPREFILL
     on_capacity_exhausted: CapacityAction = CapacityAction.RETRY_OTHER_WORKER
 
     def __post_init__(self) -> None:
@@ -622,14 +818,21 @@ class KVVisibilityPolicyManifest:
         if self.schema_version != SCHEMA_VERSION:
             _fail(
                 "schema_version",
-                f"unsupported version {self.schema_version}, this build reads {SCHEMA_VERSION}",
+                f"unsupported version {echo(self.schema_version)}, this build reads {SCHEMA_VERSION}",
             )
-        if not _NAME.match(self.name):
-            _fail("name", f"{self.name!r} must match {_NAME.pattern}")
-        if not self.policy_manifest_id.strip():
-            _fail("policy_manifest_id", "must not be blank")
-        _positive("policy_generation", self.policy_generation)
-        _non_negative("checkpoint_generation", self.checkpoint_generation)
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            _fail("name", f"{echo(self.name)} must match {_NAME.pattern}")
+        if not isinstance(self.policy_manifest_id, str):
+            _fail("policy_manifest_id", f"expected a string, got {echo(self.policy_manifest_id)}")
+        _text("policy_manifest_id", self.policy_manifest_id)
+        _in_range("policy_generation", self.policy_generation, 1, MAX_GENERATION)
+        expected_id = f"{self.name}@{self.policy_generation}"
+        if self.policy_manifest_id != expected_id:
+            _fail(
+                "policy_manifest_id",
+                f"{echo(self.policy_manifest_id)} is not name@policy_generation = {expected_id!r}",
+            )
+        _in_range("checkpoint_generation", self.checkpoint_generation, 0, MAX_GENERATION)
         _hex64("logical_cache_abi_sha256", self.logical_cache_abi_sha256)
         self._check_cross_contract()
 
@@ -637,19 +840,24 @@ class KVVisibilityPolicyManifest:
         selection = self.selection
         if selection.unit is SelectionUnit.LAYER_HEAD_TOKEN and not self.tensor.q_to_kv_head_map:
             _fail(
-                "tensor.q_to_kv_head_map", "head-level selection needs a declared q_to_kv_head_map"
+                "tensor.q_to_kv_head_map",
+                "head-level selection (selection.unit layer-head-token) needs a declared map",
             )
         omits = selection.method is not SelectionMethod.FULL
         exact = self.representation.fidelity is Fidelity.FULL_CACHE_EXACT
         if omits and exact:
             _fail(
                 "representation.fidelity",
-                f"full_cache_exact cannot omit positions (method {selection.method.value})",
+                "full_cache_exact cannot omit positions"
+                f" (selection.method {selection.method.value})",
             )
         if not omits and not exact:
-            _fail("representation.fidelity", "method full omits nothing, so it is full_cache_exact")
+            _fail(
+                "representation.fidelity",
+                "selection.method full omits nothing, so it is full_cache_exact",
+            )
         if not omits and self.recoverability.recallable:
-            _fail("recoverability.mode", "method full omits nothing to recall")
+            _fail("recoverability.mode", "selection.method full omits nothing to recall")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVVisibilityPolicyManifest:
@@ -662,7 +870,10 @@ class KVVisibilityPolicyManifest:
     def from_json(cls, text: str | bytes) -> KVVisibilityPolicyManifest:
         try:
             data = json.loads(
-                text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants
+                text,
+                object_pairs_hook=_no_duplicate_keys,
+                parse_constant=_no_constants,
+                parse_int=_parse_int,
             )
         except json.JSONDecodeError as exc:
             raise ManifestInvalid("manifest", f"not valid JSON: {exc}") from exc
@@ -712,8 +923,14 @@ def cache_abi_sha256(tensor: TensorContract) -> str:
     """A logical cache ABI digest derived from the tensor contract alone.
 
     Services that know more about the checkpoint (RoPE parameters, tokenizer) may publish
-    their own digest; this one is what `default_manifests` uses when none is given.
+    their own digest; this one is what `default_manifests` uses when none is given, and what a
+    deployment serves unless it says otherwise (`services.kvpolicy.fit.Deployment`). The
+    contiguous map is filled in when none is declared, so both spellings have one digest.
     """
+    if not tensor.q_to_kv_head_map:
+        tensor = TensorContract(
+            **{**_shallow(tensor), "q_to_kv_head_map": tensor.resolved_q_to_kv_head_map()}
+        )
     body = {"abi": "kvrelay.logical_cache.v1", "tensor": _to_plain(tensor)}
     return hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -733,9 +950,12 @@ def default_manifests(
     """The named policies every service registers at start-up.
 
     `full`, `window`, `sink-recent`, `snapkv` (uniform), `snapkv-pyramid` (PyramidKV, beta 20)
-    and `snapkv-adakv` (Ada-KV, alpha 0.2); SnapKV budgets are `budget_fraction` of the
-    prompt rows per owner. All omit irrecoverably; head-level policies need a declared
-    GQA map, which is filled in (contiguous) when the tensor contract has none.
+    and `snapkv-adakv` (Ada-KV, uniform share 0.2: the official code's alpha 0.2, the paper's
+    alpha 0.8); SnapKV budgets are `budget_fraction` of the prompt rows per owner. All omit
+    irrecoverably; head-level policies need a declared GQA map, which is filled in
+    (contiguous) when the tensor contract has none. Every policy selects at prefill and
+    decode appends (`window` and `sink-recent` too: no decode-time retention is performed
+    yet, so none is declared).
     """
     if not tensor.q_to_kv_head_map:
         tensor = TensorContract(
@@ -762,7 +982,9 @@ def default_manifests(
             AllocationSpec(AllocationMethod.PYRAMIDKV, beta=20.0),
         ),
         "snapkv-adakv": _snapkv_selection(
-            budget_fraction, observation_window, AllocationSpec(AllocationMethod.ADAKV, alpha=0.2)
+            budget_fraction,
+            observation_window,
+            AllocationSpec(AllocationMethod.ADAKV, uniform_share=0.2),
         ),
     }
     return {
@@ -787,9 +1009,9 @@ def _static_selection(method: SelectionMethod, recent_window: int, sinks: int) -
     return SelectionContract(
         method=method,
         unit=SelectionUnit.TOKEN,
-        phase=Phase.BOTH,
+        phase=Phase.PREFILL,
         evidence=EvidenceFamily.POSITIONAL,
-        update_cadence=UpdateCadence.EVERY_STEP,
+        update_cadence=UpdateCadence.PREFILL_ONCE,
         protected=ProtectedRule(sinks=sinks),
         recent_window=recent_window,
     )
@@ -815,6 +1037,13 @@ def _shallow(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
+# Fields renamed since they were published: reading the old name would guess at its meaning.
+_RENAMED = {
+    "selection.allocation.alpha": "renamed uniform_share (its meaning: the share of the layer"
+    " budget spread uniformly; the Ada-KV paper's alpha is 1 - uniform_share)",
+}
+
+
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
@@ -826,7 +1055,8 @@ def _from_plain(cls: type, data: Any, path: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
-        _fail(_join(path, unknown[0]), "unknown field")
+        sub = _join(path, _key(unknown[0]))
+        _fail(sub, _RENAMED.get(sub, "unknown field"))
     hints = get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
@@ -847,12 +1077,14 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if typing.get_origin(tp) is tuple:
         if not isinstance(value, list | tuple):
             _fail(path, f"expected an array, got {type(value).__name__}")
+        if len(value) > MAX_HEADS:  # the longest array is q_to_kv_head_map, [H_q]
+            _fail(path, f"has {len(value)} entries, more than the limit of {MAX_HEADS}")
         item_type = typing.get_args(tp)[0]
         return tuple(_convert(item_type, v, f"{path}[{i}]") for i, v in enumerate(value))
     if isinstance(tp, type) and issubclass(tp, StrEnum):
         allowed = [m.value for m in tp]
         if not isinstance(value, str) or value not in allowed:
-            _fail(path, f"unknown value {value!r}; expected one of {allowed}")
+            _fail(path, f"unknown value {echo(value)}; expected one of {allowed}")
         return tp(value)
     if isinstance(tp, type) and is_dataclass(tp):
         return _from_plain(tp, value, path)
@@ -862,11 +1094,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is bool:
         if not isinstance(value, bool):
-            _fail(path, f"expected a boolean, got {value!r}")
+            _fail(path, f"expected a boolean, got {echo(value)}")
         return value
     if tp is int:
+        if isinstance(value, _LongInteger):
+            _fail(path, f"{value!r} is out of range")
         if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, f"expected an integer, got {value!r}")
+            _fail(path, f"expected an integer, got {echo(value)}")
         return value
     if tp is float:
         if (
@@ -874,11 +1108,11 @@ def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
             or not isinstance(value, int | float)
             or not math.isfinite(value)
         ):
-            _fail(path, f"expected a finite number, got {value!r}")
+            _fail(path, f"expected a finite number, got {echo(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            _fail(path, f"expected a string, got {value!r}")
+            _fail(path, f"expected a string, got {echo(value)}")
         return value
     raise TypeError(f"unsupported manifest field type {tp!r} at {path}")
 
@@ -913,9 +1147,30 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            _fail(key, "duplicate key in JSON object")
+            _fail(_key(key), "duplicate key in JSON object")
         out[key] = value
     return out
+
+
+def _key(key: str) -> str:
+    """A JSON object key as a field path element: bounded like an echoed value."""
+    return key if len(key) <= MAX_NAME_CHARS else f"{key[:MAX_NAME_CHARS]}…"
+
+
+class _LongInteger:
+    """A JSON integer too long for any field, kept unparsed: converting a 5000-digit string
+    costs time (Python refuses past 4300 digits) and no bound admits it anyway."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str) -> int | _LongInteger:
+    digits = len(text.lstrip("-"))
+    return _LongInteger(digits) if digits > _MAX_INT_DIGITS else int(text)
 
 
 def _no_constants(token: str) -> Any:

@@ -7,6 +7,10 @@ every consumer goes through `original_position_map`.
 
 Owners are K/V heads (the default) or, under the GQA reduction `expand`, query heads
 whose rows are gathered from the K/V head they map to (storage charged at H_q).
+
+A state is materialized only from the cache image it describes (`materialize`): the source
+cache names its cache generation and position origin, its length is its frontier, and a
+state that names another image is refused before anything is gathered.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from functools import cached_property
 import torch
 
 from services.kvpolicy.errors import PackingError
+from services.kvpolicy.state import KVPolicyState
 
 # Metadata dtypes are part of the wire contract (and of the byte ledger): a view with
 # R_total rows carries 4 * R_total bytes of position map and 4 * L * (H+1) bytes of offsets.
@@ -25,6 +30,39 @@ POSITION_DTYPE = torch.int32
 OFFSET_DTYPE = torch.int32
 
 Selection = Sequence[Sequence[Sequence[int]]]  # [L][H_owner] -> sorted original positions
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """Which cache image a view is gathered from: the positions it holds,
+    `[position_origin, position_origin + length)`, at one cache generation."""
+
+    length: int
+    cache_generation: int
+    position_origin: int = 0
+
+    @property
+    def end(self) -> int:
+        """Exclusive end of the positions the source holds."""
+        return self.position_origin + self.length
+
+
+@dataclass(frozen=True)
+class SourceCache:
+    """A source K/V cache `[L, H_kv, T, d_h]` and the image it is: T positions from
+    `position_origin`, at `cache_generation`."""
+
+    k: torch.Tensor  # [L, H_kv, T, d_h]
+    v: torch.Tensor  # [L, H_kv, T, d_h]
+    cache_generation: int
+    position_origin: int = 0
+
+    def __post_init__(self) -> None:
+        _check_sources(self.k, self.v)
+
+    @property
+    def identity(self) -> SourceIdentity:
+        return SourceIdentity(int(self.k.shape[2]), self.cache_generation, self.position_origin)
 
 
 @dataclass(frozen=True)
@@ -99,19 +137,41 @@ class PackedKVView:
         return out
 
 
+def materialize(
+    state: KVPolicyState, source: SourceCache, owner_to_kv_head: Sequence[int] | None = None
+) -> PackedKVView:
+    """Gather the rows `state` retains from `source`, which must be the image the state
+    describes: the same cache generation and position origin, and the state's frontier is the
+    source's length. PackingError names the first field that differs (`cache_generation`,
+    `position_origin`, `frontier`); nothing is gathered then."""
+    identity = source.identity
+    for field, claimed, actual in (
+        ("cache_generation", state.cache_generation, identity.cache_generation),
+        ("position_origin", state.position_origin, identity.position_origin),
+        ("frontier", state.frontier, identity.length),
+    ):
+        if claimed != actual:
+            raise PackingError(field, f"the state has {claimed}, the source cache {actual}")
+    positions = state.selected_positions
+    return pack(source.k, source.v, positions, owner_to_kv_head, origin=source.position_origin)
+
+
 def pack(
     source_k: torch.Tensor,
     source_v: torch.Tensor,
     selected: Selection,
     owner_to_kv_head: Sequence[int] | None = None,
+    *,
+    origin: int = 0,
 ) -> PackedKVView:
     """Gather the selected rows of `source_k`/`source_v` `[L, H_kv, T, d_h]` into a view.
 
     `selected[l][h]` lists the retained original positions of owner h in layer l, strictly
-    ascending. Owners are the K/V heads unless `owner_to_kv_head` maps each owner (a query
-    head under GQA `expand`) to the K/V head its rows come from. K and V are gathered with
-    the same indices (their dtypes may differ). Every input is validated before anything
-    is gathered, and the result is validated again before it is returned.
+    ascending, inside `[origin, origin + T)` (source row p - origin holds position p). Owners
+    are the K/V heads unless `owner_to_kv_head` maps each owner (a query head under GQA
+    `expand`) to the K/V head its rows come from. K and V are gathered with the same indices
+    (their dtypes may differ). Every input is validated before anything is gathered, and the
+    result is validated again before it is returned.
     """
     num_layers, num_kv_heads, seq_len, _ = _check_sources(source_k, source_v)
     owners = _check_owner_map(owner_to_kv_head, selected, num_layers, num_kv_heads)
@@ -122,9 +182,9 @@ def pack(
         layer_offsets = [len(flat_positions)]
         for owner, kv_head in enumerate(owners):
             positions = _check_positions(
-                selected[layer][owner], seq_len, f"selected[{layer}][{owner}]"
+                selected[layer][owner], origin, origin + seq_len, f"selected[{layer}][{owner}]"
             )
-            base = (layer * num_kv_heads + kv_head) * seq_len
+            base = (layer * num_kv_heads + kv_head) * seq_len - origin
             flat_index.extend(base + p for p in positions)
             flat_positions.extend(positions)
             layer_offsets.append(len(flat_positions))
@@ -221,14 +281,14 @@ def _check_owner_map(
     return owners
 
 
-def _check_positions(positions: Sequence[int], seq_len: int, field: str) -> list[int]:
+def _check_positions(positions: Sequence[int], lo: int, hi: int, field: str) -> list[int]:
     out = list(positions)
-    previous = -1
+    previous = lo - 1
     for p in out:
         if isinstance(p, bool) or not isinstance(p, int):
             raise PackingError(field, f"position {p!r} is not an int")
-        if not 0 <= p < seq_len:
-            raise PackingError(field, f"position {p} outside [0, {seq_len})")
+        if not lo <= p < hi:
+            raise PackingError(field, f"position {p} outside [{lo}, {hi})")
         if p <= previous:
             raise PackingError(
                 field, f"positions must be strictly ascending, got {p} after {previous}"

@@ -1,30 +1,69 @@
-"""Receipts: a digest binding a packed view to its manifest, generations and positions.
+"""Receipts: a digest binding a packed view to its manifest, generations, positions, owner
+budgets and payload bytes.
 
 The prefill worker makes a receipt only after the whole view validated and matched the
-state; the decode worker recomputes the digest and compares the positions it received.
-Changing any generation, the frontier, or any retained position changes the digest.
+state and the source cache it was gathered from; the decode worker recomputes the digest
+from the positions it received, checks every owner's rows against its budget, and hashes the
+K/V bytes that arrived against the receipt's payload digest. Changing any generation, the
+frontier, any retained position, any budget or any payload byte changes what the receipt
+says, and so its digest.
+
+The payload digest is XXH3-128 of each layer's packed K bytes and packed V bytes, separately,
+in row order. XXH3 is a fast non-cryptographic hash (~10 GB/s on one core, several times
+SHA-256 or BLAKE3 there): it catches corruption and misalignment (a V row shifted against K, a
+flipped bit) with a 2^-128 chance of missing one, but not an adversary, who can forge
+collisions. That is enough while receipts are not a security boundary (any party that can
+alter the payload can also recompute every digest: nothing is signed or keyed yet); when
+receipts become one, the payload needs a cryptographic, keyed digest (e.g. keyed BLAKE3)
+under a key the decode worker trusts, and `payload.hash` names which one a receipt used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import xxhash
 
 from services.kvpolicy.errors import ReceiptMismatch
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest
-from services.kvpolicy.packing import PackedKVView, validate_view
-from services.kvpolicy.state import KVPolicyState, PositionGrid
+from services.kvpolicy.manifest import Fidelity, KVVisibilityPolicyManifest
+from services.kvpolicy.packing import PackedKVView, SourceIdentity, validate_view
+from services.kvpolicy.state import (
+    BudgetGrid,
+    KVPolicyState,
+    PositionGrid,
+    budgets_match_shape,
+    first_over_budget,
+)
 
-RECEIPT_DOMAIN = "kvrelay.receipt.v1"
+RECEIPT_DOMAIN = "kvrelay.receipt.v2"
+PAYLOAD_HASH = "xxh3-128"
+
+
+@dataclass(frozen=True)
+class PayloadDigest:
+    """Digests of a view's payload under `hash`: per layer, (packed K, packed V) in hex."""
+
+    hash: str
+    layers: tuple[tuple[str, str], ...]  # [L]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple((k, v) for k, v in self.layers))
 
 
 @dataclass(frozen=True)
 class Receipt:
-    """What a published state promises about a packed view. Construction checks `digest`."""
+    """What a published state promises about a packed view. Construction checks that no
+    owner retains more positions than its budget, then `digest`.
+
+    `owner_budgets` and `payload` are None only for a state that no view realizes (a
+    recall's successor, whose rows arrive by recall); `make_receipt` requires both.
+    """
 
     request_id: str
     manifest_sha256: str
@@ -36,6 +75,8 @@ class Receipt:
     position_origin: int
     selected_positions: PositionGrid
     protected_positions: tuple[int, ...]
+    owner_budgets: BudgetGrid | None
+    payload: PayloadDigest | None
     digest: str
 
     def __post_init__(self) -> None:
@@ -45,6 +86,16 @@ class Receipt:
             tuple(tuple(tuple(o) for o in layer) for layer in self.selected_positions),
         )
         object.__setattr__(self, "protected_positions", tuple(self.protected_positions))
+        if self.owner_budgets is not None:
+            object.__setattr__(
+                self, "owner_budgets", tuple(tuple(row) for row in self.owner_budgets)
+            )
+            _check_budgets(self.selected_positions, self.owner_budgets)
+        if self.payload is not None and len(self.payload.layers) != len(self.selected_positions):
+            layers = len(self.selected_positions)
+            raise ReceiptMismatch(
+                "payload", f"{len(self.payload.layers)} layer digests for {layers} layers"
+            )
         expected = receipt_digest(self.body())
         if self.digest != expected:
             raise ReceiptMismatch(
@@ -55,9 +106,17 @@ class Receipt:
         """Every bound field except the digest itself, as plain JSON data."""
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "digest"}
 
+    def view_bindings(self) -> tuple[BudgetGrid, PayloadDigest]:
+        """The owner budgets and payload digest a view's receipt binds (what travels with the
+        view); ReceiptMismatch for the receipt of a state no view realizes."""
+        if self.owner_budgets is None or self.payload is None:
+            raise ReceiptMismatch("payload", "this receipt binds no view (no budgets or payload)")
+        return self.owner_budgets, self.payload
+
     @classmethod
-    def for_state(cls, state: KVPolicyState) -> Receipt:
-        """The receipt of a validated state (positions and generations taken from it)."""
+    def for_state(cls, state: KVPolicyState, payload: PayloadDigest | None = None) -> Receipt:
+        """The receipt of a validated state (positions, generations and budgets taken from
+        it) and, for a view, of the view's payload."""
         body: dict[str, Any] = {
             "request_id": state.request_id,
             "manifest_sha256": state.manifest_sha256,
@@ -69,23 +128,34 @@ class Receipt:
             "position_origin": state.position_origin,
             "selected_positions": state.selected_positions,
             "protected_positions": state.protected_positions,
+            "owner_budgets": state.owner_budgets,
+            "payload": payload,
         }
-        return cls(**body, digest=receipt_digest({k: _plain(v) for k, v in body.items()}))
+        return cls(**body, digest=receipt_digest(body))
 
 
 def receipt_digest(body: dict[str, Any]) -> str:
-    """SHA-256 hex of the domain-tagged canonical JSON of a receipt body."""
-    text = json.dumps({"domain": RECEIPT_DOMAIN, **body}, sort_keys=True, separators=(",", ":"))
+    """SHA-256 hex of the domain-tagged canonical JSON of a receipt body (tuples and
+    `PayloadDigest`s taken as the lists and objects they hold)."""
+    text = json.dumps(
+        {"domain": RECEIPT_DOMAIN, **_plain(body)}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def make_receipt(
-    manifest: KVVisibilityPolicyManifest, state: KVPolicyState, view: PackedKVView
+    manifest: KVVisibilityPolicyManifest,
+    state: KVPolicyState,
+    view: PackedKVView,
+    *,
+    source: SourceIdentity,
 ) -> Receipt:
-    """Check that `view` is exactly what `state` says under `manifest`, then bind them.
+    """Check that `view` is exactly what `state` says under `manifest`, gathered from the
+    cache image `source` names, then bind them (payload digest included).
 
-    Raises ReceiptMismatch (manifest, owners, positions) or PackingError (view vs tensor
-    contract) before any receipt exists.
+    Raises ReceiptMismatch (manifest, owners, source: `cache_generation`, `position_origin`,
+    `frontier`; `owner_budgets`, positions, the manifest's fidelity) or PackingError (view vs
+    tensor contract) before any receipt exists.
     """
     if state.manifest_sha256 != manifest.sha256:
         raise ReceiptMismatch(
@@ -98,6 +168,10 @@ def make_receipt(
             f"state has [{state.num_layers}][{state.num_owners}] owners,"
             f" manifest [{tensor.num_layers}][{manifest.num_owners}]",
         )
+    _check_source(state, source)
+    check_fidelity(manifest, state.selected_positions, state.position_origin, state.end)
+    if state.owner_budgets is None:
+        raise ReceiptMismatch("owner_budgets", "the state has none: a view's receipt binds them")
     validate_view(
         view,
         num_layers=tensor.num_layers,
@@ -108,13 +182,37 @@ def make_receipt(
         frontier=state.end,
     )
     _check_positions_match(view, state.selected_positions)
-    return Receipt.for_state(state)
+    return Receipt.for_state(state, payload_digest(view))
+
+
+def check_fidelity(
+    manifest: KVVisibilityPolicyManifest,
+    positions: Sequence[Sequence[Sequence[int]]],
+    origin: int,
+    end: int,
+) -> None:
+    """Under `full_cache_exact` every owner retains every position of `[origin, end)`;
+    ReceiptMismatch names the first owner that omits one (`selected_positions[l][h]`). The
+    one fidelity rule: the prefill worker's receipt and the decode worker's check apply it.
+    Positions are strictly ascending inside the range (the state and the view check that), so
+    a full owner is one with `end - origin` of them."""
+    if manifest.representation.fidelity is not Fidelity.FULL_CACHE_EXACT:
+        return
+    for layer, owners in enumerate(positions):
+        for owner, retained in enumerate(owners):
+            if len(retained) != end - origin:
+                raise ReceiptMismatch(
+                    f"selected_positions[{layer}][{owner}]",
+                    f"retains {len(retained)} of the {end - origin} positions [{origin}, {end});"
+                    " representation.fidelity full_cache_exact keeps every one",
+                )
 
 
 def verify_receipt(receipt: Receipt, *, manifest_sha256: str, view: PackedKVView) -> None:
-    """Decode-side check: the receipt names the expected manifest and describes `view` exactly.
+    """Decode-side check: the receipt names the expected manifest and describes `view`
+    exactly, positions and payload bytes.
 
-    The digest itself was recomputed when the receipt was constructed.
+    The digest and the owner budgets were checked when the receipt was constructed.
     """
     if receipt.manifest_sha256 != manifest_sha256:
         raise ReceiptMismatch(
@@ -123,6 +221,82 @@ def verify_receipt(receipt: Receipt, *, manifest_sha256: str, view: PackedKVView
         )
     validate_view(view, frontier=receipt.position_origin + receipt.frontier)
     _check_positions_match(view, receipt.selected_positions)
+    check_payload(receipt.payload, view)
+
+
+def payload_digest(view: PackedKVView) -> PayloadDigest:
+    """XXH3-128 of every layer's packed K bytes and packed V bytes, raw, in row order. A view
+    on an accelerator is copied to host once first (that copy is the cost of a GPU view)."""
+    k, v = _host_bytes(view.packed_k), _host_bytes(view.packed_v)  # [R_total, d_h * itemsize]
+    bounds = view.row_offsets[:, [0, -1]].cpu().tolist()  # [L, 2]
+    return PayloadDigest(
+        PAYLOAD_HASH,
+        tuple((_xxh3(k[start:end]), _xxh3(v[start:end])) for start, end in bounds),
+    )
+
+
+def check_payload(expected: PayloadDigest | None, view: PackedKVView) -> None:
+    """The K/V bytes of `view` are the ones `expected` digests; ReceiptMismatch names
+    `packed_k[l]` or `packed_v[l]` for the first layer whose bytes differ (or `payload`,
+    `payload.hash` when there is nothing this worker can compare)."""
+    if expected is None:
+        raise ReceiptMismatch("payload", "the receipt binds no payload digest")
+    if expected.hash != PAYLOAD_HASH:
+        reason = f"{expected.hash[:32]!r}, this worker checks {PAYLOAD_HASH}"
+        raise ReceiptMismatch("payload.hash", reason)
+    actual = payload_digest(view)
+    if len(actual.layers) != len(expected.layers):
+        reason = f"{len(expected.layers)} layer digests, the view has {len(actual.layers)} layers"
+        raise ReceiptMismatch("payload", reason)
+    for layer, (got, want) in enumerate(zip(actual.layers, expected.layers, strict=True)):
+        for name, got_hex, want_hex in zip(("packed_k", "packed_v"), got, want, strict=True):
+            if got_hex != want_hex:
+                reason = (
+                    f"bytes hash to {got_hex}, the receipt's payload.layers[{layer}] binds"
+                    f" {want_hex[:64]}"
+                )
+                raise ReceiptMismatch(f"{name}[{layer}]", reason)
+
+
+def _check_source(state: KVPolicyState, source: SourceIdentity) -> None:
+    """The state lies inside the source image: its cache generation, positions from the
+    source's origin, frontier no further than the source's end."""
+    if state.cache_generation != source.cache_generation:
+        raise ReceiptMismatch(
+            "cache_generation",
+            f"the state has {state.cache_generation}, the source cache {source.cache_generation}",
+        )
+    if state.position_origin < source.position_origin:
+        raise ReceiptMismatch(
+            "position_origin",
+            f"{state.position_origin} precedes the source's origin {source.position_origin}",
+        )
+    if state.end > source.end:
+        raise ReceiptMismatch(
+            "frontier",
+            f"the state ends at {state.end}, the source holds"
+            f" [{source.position_origin}, {source.end})",
+        )
+
+
+def _check_budgets(grid: PositionGrid, budgets: BudgetGrid) -> None:
+    if not budgets_match_shape(budgets, grid):
+        raise ReceiptMismatch("owner_budgets", "shape differs from selected_positions")
+    over = first_over_budget(grid, budgets)
+    if over is not None:
+        layer, owner = over
+        raise ReceiptMismatch(
+            f"owner_budgets[{layer}][{owner}]",
+            f"{len(grid[layer][owner])} rows retained, the budget is {budgets[layer][owner]}",
+        )
+
+
+def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().view(torch.uint8)  # [R, d_h * itemsize]
+
+
+def _xxh3(rows: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(rows.numpy().data)
 
 
 def _check_positions_match(view: PackedKVView, expected: PositionGrid) -> None:
@@ -136,7 +310,8 @@ def _check_positions_match(view: PackedKVView, expected: PositionGrid) -> None:
             ):
                 raise ReceiptMismatch(
                     "original_position_map",
-                    f"positions of layer {layer} owner {owner} differ from the receipt",
+                    f"positions of layer {layer} owner {owner} differ from the receipt's"
+                    f" selected_positions[{layer}][{owner}]",
                 )
     if len(received) != len(expected) or any(
         len(r) != len(e) for r, e in zip(received, expected, strict=False)
@@ -147,6 +322,10 @@ def _check_positions_match(view: PackedKVView, expected: PositionGrid) -> None:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, PayloadDigest):
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     return value

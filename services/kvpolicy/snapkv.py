@@ -8,6 +8,10 @@ Scoring, per layer (paper order, Li et al. 2024):
      padding (AvgPool1d `count_include_pad=True`), max ignores it;
   4. GQA owner reduction: `mean` or `max` over the query heads of each K/V head (owners
      are K/V heads), or `expand` (owners are the query heads themselves).
+Steps 3 and 4 run in the manifest's `gqa_order`: `pool_then_reduce` as listed (kvrelay's
+default), or `reduce_then_pool` — reduce each K/V group's votes, then pool the owner votes (the
+order of Ada-KV's and kvpress's GQA code). Both are linear for mean + avg and both maxima for
+max + max, so the orders agree there; they differ for mean + max pooling and max + avg pooling.
 
 Selection per owner: the observation suffix `[T - W, T)` and the first `sinks` positions
 are protected and retained outside the budget; the top-`budget` remaining prefix rows
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 
 from services.kvpolicy.errors import SelectionError
 from services.kvpolicy.manifest import (
+    GQAOrder,
     GQAReduction,
     KVVisibilityPolicyManifest,
     Pooling,
@@ -100,16 +105,21 @@ def snapkv_scores(
     aggregation: ScoreAggregation,
     gqa_reduction: GQAReduction,
     q_to_kv_head_map: Sequence[int],
+    gqa_order: GQAOrder = GQAOrder.POOL_THEN_REDUCE,
 ) -> torch.Tensor:
     """Owner scores of every prefix row: `[L, H_owner, T_prompt - W]` (fp32).
 
     obs_attn is `[L, H_q, W, T]` (or one `[H_q, W, T]` per layer): the softmax
-    probabilities the model runtime returns for the observation window.
+    probabilities the model runtime returns for the observation window. `gqa_order` says
+    whether pooling runs per query head before the GQA reduction or per owner after it.
     """
     attn = _stack_layers(obs_attn)  # [L, H_q, W, T]
     _check_obs_attn(attn, prompt_len, window, q_to_kv_head_map)
     prefix = attn[..., : prompt_len - window]  # [L, H_q, W, T_p]
     vote = prefix.sum(dim=2) if aggregation is ScoreAggregation.SUM else prefix.sum(dim=2) / window
+    if gqa_order is GQAOrder.REDUCE_THEN_POOL:
+        owner_vote = reduce_gqa(vote, q_to_kv_head_map, gqa_reduction)  # [L, H_owner, T_p]
+        return pool_scores(owner_vote, pooling, kernel)
     return reduce_gqa(pool_scores(vote, pooling, kernel), q_to_kv_head_map, gqa_reduction)
 
 
@@ -180,6 +190,7 @@ def score(
         params.aggregation,
         params.gqa_reduction,
         manifest.tensor.resolved_q_to_kv_head_map(),
+        params.gqa_order,
     )
 
 

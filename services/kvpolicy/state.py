@@ -25,8 +25,10 @@ class KVPolicyState:
     """Generations, frontier and the retained positions of every (layer, owner).
 
     `owner_budgets[l][h]`, when given, bounds how many positions owner h of layer l may
-    retain (protected rows included). Protected positions that lie inside the frontier
-    must be retained by every owner. Lists are accepted and frozen into tuples.
+    retain (protected rows included): the compression core always gives it (the owner's row
+    capacity, `services.kvpolicy.compress.owner_capacities`), and a receipt of a view binds
+    it. Protected positions that lie inside the frontier must be retained by every owner.
+    Lists are accepted and frozen into tuples.
     """
 
     request_id: str
@@ -117,7 +119,8 @@ class KVPolicyState:
         if self.state_generation != self.parent_state_generation + 1:
             raise StateInvalid(
                 "state_generation",
-                f"{self.state_generation} is not parent + 1 = {self.parent_state_generation + 1}",
+                f"{self.state_generation} is not parent_state_generation + 1 ="
+                f" {self.parent_state_generation + 1}",
             )
         for name in ("cache_generation", "frontier", "position_origin"):
             if getattr(self, name) < 0:
@@ -144,25 +147,41 @@ class KVPolicyState:
                 missing = sorted(set(inside) - set(positions))
                 if missing:
                     raise StateInvalid(
-                        path, f"protected positions {missing} inside the frontier are not retained"
+                        path, f"protected_positions {missing} inside the frontier are not retained"
                     )
         self._check_budgets()
 
     def _check_budgets(self) -> None:
         if self.owner_budgets is None:
             return
-        budgets, grid = self.owner_budgets, self.selected_positions
-        if len(budgets) != len(grid) or any(
-            len(b) != len(g) for b, g in zip(budgets, grid, strict=True)
-        ):
+        if not budgets_match_shape(self.owner_budgets, self.selected_positions):
             raise StateInvalid("owner_budgets", "shape differs from selected_positions")
-        for layer, (layer_budgets, owners) in enumerate(zip(budgets, grid, strict=True)):
-            for owner, (budget, positions) in enumerate(zip(layer_budgets, owners, strict=True)):
-                if len(positions) > budget:
-                    raise StateInvalid(
-                        f"selected_positions[{layer}][{owner}]",
-                        f"{len(positions)} positions exceed the owner budget {budget}",
-                    )
+        over = first_over_budget(self.selected_positions, self.owner_budgets)
+        if over is not None:
+            layer, owner = over
+            retained = len(self.selected_positions[layer][owner])
+            raise StateInvalid(
+                f"selected_positions[{layer}][{owner}]",
+                f"{retained} positions exceed owner_budgets[{layer}][{owner}] ="
+                f" {self.owner_budgets[layer][owner]}",
+            )
+
+
+def budgets_match_shape(budgets: BudgetGrid, grid: PositionGrid) -> bool:
+    """Whether `budgets` has one entry per (layer, owner) of `grid`."""
+    return len(budgets) == len(grid) and all(
+        len(b) == len(g) for b, g in zip(budgets, grid, strict=True)
+    )
+
+
+def first_over_budget(grid: PositionGrid, budgets: BudgetGrid) -> tuple[int, int] | None:
+    """The first (layer, owner) retaining more positions than its budget, or None. The one
+    budget rule: the state, the receipt and the decode worker's recomputation all apply it."""
+    for layer, (layer_budgets, owners) in enumerate(zip(budgets, grid, strict=True)):
+        for owner, (budget, positions) in enumerate(zip(layer_budgets, owners, strict=True)):
+            if len(positions) > budget:
+                return layer, owner
+    return None
 
 
 def _check_ascending(positions: tuple[int, ...], path: str, lo: int, hi: int | None) -> None:
@@ -172,9 +191,11 @@ def _check_ascending(positions: tuple[int, ...], path: str, lo: int, hi: int | N
         if p < previous:
             raise StateInvalid(path, f"positions not sorted: {p} after {previous}")
     if positions and positions[0] < lo:
-        raise StateInvalid(path, f"position {positions[0]} before the origin {lo}")
+        raise StateInvalid(path, f"position {positions[0]} before the position_origin {lo}")
     if positions and hi is not None and positions[-1] >= hi:
-        raise StateInvalid(path, f"position {positions[-1]} at or beyond the frontier end {hi}")
+        raise StateInvalid(
+            path, f"position {positions[-1]} at or beyond position_origin + frontier = {hi}"
+        )
 
 
 def _freeze_ints(values: Sequence[int], path: str) -> tuple[int, ...]:

@@ -418,11 +418,10 @@ class RecallKnobs:
     fallback: TimeoutFallback = TimeoutFallback.CONTINUE_LOSSY
     full_recall_gate: float | None = None
 
-    def contract(self, mode: RecoverabilityMode, handoff_id: str) -> RecoverabilityContract:
+    def contract(self, mode: RecoverabilityMode) -> RecoverabilityContract:
         """A recallable contract with these knobs (validated by the manifest's rules)."""
         return RecoverabilityContract(
             mode=mode,
-            handoff_id=handoff_id,
             recall_threshold=self.threshold,
             page_size=self.page_size,
             max_pages_per_step=self.max_pages_per_step,
@@ -433,7 +432,7 @@ class RecallKnobs:
         )
 
 
-# Tuned with `kvrelay eval recall --tune` (services/offload/evaluate.py, `TuneConfig`) on
+# Tuned with `kvrelay eval recall --tune` (services/evaluation/recall_eval.py, `TuneConfig`) on
 # tuning seeds disjoint from the evaluation's (32 prompts from seed 9500000): placement (b),
 # 25% budget, 1K context, SnapKV uniform, on the trained demo checkpoint. Without recall SnapKV
 # answers 3.1% (full cache 100%). Every threshold from 0.9 to 0.9999 gave the same result (the
@@ -452,7 +451,6 @@ def with_recall(
     knobs: RecallKnobs = DEFAULT_RECALL_KNOBS,
     *,
     mode: RecoverabilityMode = RecoverabilityMode.RECALLABLE_REMOTE,
-    handoff_id: str = "offload",
 ) -> KVVisibilityPolicyManifest:
     """`manifest` with recallable omitted rows: a new manifest (and identity) named
     `<name>-recall`."""
@@ -461,7 +459,7 @@ def with_recall(
         manifest,
         name=name,
         policy_manifest_id=f"{name}@{manifest.policy_generation}",
-        recoverability=knobs.contract(mode, handoff_id),
+        recoverability=knobs.contract(mode),
     )
 
 

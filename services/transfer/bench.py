@@ -8,6 +8,12 @@ send, full receive and validation) and once as raw bytes over a warm TCP connect
 (the same tensors, `sendall` / `recv_into`), interleaved so both see the same machine
 load. A repeat ends when the receiver's acknowledgement arrives. The first transfer also
 builds the pair group and is reported apart (`cold_s`); throughput counts warm repeats.
+
+Each repeat also times the receipt's payload digest (XXH3-128 of every layer's K and V bytes,
+`services.kvpolicy.receipt`) on both sides, outside the transfer's timing: the sender digests
+the view before it sends (as `make_receipt` does at prefill), the receiver checks the view that
+arrived against it (as the decode worker's verify stage does before admitting it); a mismatch
+fails the bench. The report gives each as a fraction of the warm transfer time.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 
 from services.kvpolicy.packing import OFFSET_DTYPE, POSITION_DTYPE, PackedKVView
+from services.kvpolicy.receipt import PAYLOAD_HASH, PayloadDigest, check_payload, payload_digest
 from services.rpc.kvrelay.v1 import decode_pb2
 from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
 from services.transfer.deadline import Deadline
@@ -73,6 +80,8 @@ class TransferBenchResult:
     tcp_s: tuple[float, ...]
     first_layer_s: tuple[float, ...]  # receiver: start_recv -> layer 0 usable
     full_view_s: tuple[float, ...]  # receiver: start_recv -> validated view
+    digest_send_s: tuple[float, ...] = ()  # sender: payload digest of the view (warm repeats)
+    digest_recv_s: tuple[float, ...] = ()  # receiver: the view that arrived checked against it
 
     @property
     def gloo_bytes_per_s(self) -> float:
@@ -86,6 +95,16 @@ class TransferBenchResult:
     def ratio(self) -> float:
         """Transfer-layer throughput as a fraction of the raw TCP copy (goal >= 0.5)."""
         return self.gloo_bytes_per_s / self.tcp_bytes_per_s
+
+    @property
+    def digest_send_fraction(self) -> float:
+        """Median sender-side payload digest time over the median warm transfer time."""
+        return statistics.median(self.digest_send_s) / statistics.median(self.gloo_s)
+
+    @property
+    def digest_recv_fraction(self) -> float:
+        """Median receiver-side payload check time over the median warm transfer time."""
+        return statistics.median(self.digest_recv_s) / statistics.median(self.gloo_s)
 
 
 def run_transfer_bench(config: TransferBenchConfig) -> TransferBenchResult:
@@ -145,11 +164,19 @@ def print_transfer_report(result: TransferBenchResult, json_out: Path | None = N
         f"the whole view after {statistics.median(result.full_view_s) * 1e3:.1f} ms (medians); "
         f"host: {os.cpu_count()} CPUs"
     )
+    print(
+        f"payload digest ({PAYLOAD_HASH}, K and V per layer): receiver check"
+        f" {statistics.median(result.digest_recv_s) * 1e3:.1f} ms = {result.digest_recv_fraction:.1%}"
+        f" of the transfer, sender {statistics.median(result.digest_send_s) * 1e3:.1f} ms"
+        f" = {result.digest_send_fraction:.1%} (medians of warm repeats)"
+    )
     if json_out is not None:
         payload = asdict(result) | {
             "gloo_bytes_per_s": result.gloo_bytes_per_s,
             "tcp_bytes_per_s": result.tcp_bytes_per_s,
             "ratio": result.ratio,
+            "digest_send_fraction": result.digest_send_fraction,
+            "digest_recv_fraction": result.digest_recv_fraction,
         }
         json_out.write_text(json.dumps(payload, indent=2))
 
@@ -158,13 +185,14 @@ def _measure(
     config: TransferBenchConfig, view: PackedKVView, conn: Connection, sender: KVSender,
     store_address: str, sock: socket.socket,
 ) -> TransferBenchResult:
-    cold_s, _ = _transfer_once(config, view, conn, sender, store_address, "cold")
+    cold_s, _, _ = _transfer_once(config, view, conn, sender, store_address, "cold")
     _copy_once(view, conn, sock)  # warm the TCP path too
-    gloo_s, tcp_s, receiver_times = [], [], []
+    gloo_s, tcp_s, receiver_times, digest_send_s = [], [], [], []
     for repeat in range(config.repeats):
-        seconds, times = _transfer_once(config, view, conn, sender, store_address, f"warm-{repeat}")
+        seconds, times, digest_s = _transfer_once(config, view, conn, sender, store_address, f"warm-{repeat}")
         gloo_s.append(seconds)
         receiver_times.append(times)
+        digest_send_s.append(digest_s)
         tcp_s.append(_copy_once(view, conn, sock))
     sender.close()
     return TransferBenchResult(
@@ -175,13 +203,20 @@ def _measure(
         tcp_s=tuple(tcp_s),
         first_layer_s=tuple(t[0] for t in receiver_times),
         full_view_s=tuple(t[1] for t in receiver_times),
+        digest_send_s=tuple(digest_send_s),
+        digest_recv_s=tuple(t[2] for t in receiver_times),
     )
 
 
 def _transfer_once(
     config: TransferBenchConfig, view: PackedKVView, conn: Connection, sender: KVSender,
     store_address: str, transfer_id: str,
-) -> tuple[float, tuple[float, float]]:
+) -> tuple[float, tuple[float, float, float], float]:
+    """One transfer through the pair group: (seconds until the receiver acknowledged, the
+    receiver's (first layer, full view, payload check) seconds, the sender's digest seconds)."""
+    digest_started = time.perf_counter()
+    payload = payload_digest(view)
+    digest_s = time.perf_counter() - digest_started
     deadline = Deadline.after(config.deadline_s)
     key = TransferKey(f"bench-{transfer_id}", 1, 1, transfer_id)
     started = time.perf_counter()
@@ -198,14 +233,14 @@ def _transfer_once(
         layout=ViewLayout.of(view),
     )
     transfer = sender.start_send(descriptor, lease, deadline)
-    conn.send(("transfer", (descriptor_to_proto(descriptor).SerializeToString(), config.deadline_s)))
+    conn.send(("transfer", (descriptor_to_proto(descriptor).SerializeToString(), config.deadline_s, payload)))
     for layer in range(view.num_layers):
         transfer.send_layer(layer_of(view, layer))
     transfer.wait_for_send(deadline)
-    _, received, first_layer_s, full_view_s = _expect(conn, "received", config.deadline_s)
+    _, received, first_layer_s, full_view_s, check_s = _expect(conn, "received", config.deadline_s)
     elapsed = time.perf_counter() - started
     assert received == transfer.bytes_moved == descriptor.layout.nbytes, "bytes moved differ from the layout"
-    return elapsed, (first_layer_s, full_view_s)
+    return elapsed, (first_layer_s, full_view_s, check_s), digest_s
 
 
 def _copy_once(view: PackedKVView, conn: Connection, sock: socket.socket) -> float:
@@ -249,15 +284,21 @@ def _decode_peer(conn: Connection, threads: int) -> None:
     receiver.close()
 
 
-def _receive_view(receiver: KVReceiver, descriptor_bytes: bytes, deadline_s: float) -> tuple[int, float, float]:
+def _receive_view(
+    receiver: KVReceiver, descriptor_bytes: bytes, deadline_s: float, payload: PayloadDigest
+) -> tuple[int, float, float, float]:
+    """Receive one view; then, after its timing, check its bytes against the sender's digest."""
     started = time.perf_counter()
     descriptor = descriptor_from_proto(decode_pb2.TransferDescriptor.FromString(descriptor_bytes))
     deadline = Deadline.after(deadline_s)
     transfer = receiver.start_recv(descriptor, deadline)
     transfer.wait_for_layer(0, deadline)
     first_layer = time.perf_counter() - started
-    transfer.wait_for_view(deadline)
-    return transfer.bytes_moved, first_layer, time.perf_counter() - started
+    view = transfer.wait_for_view(deadline)
+    full_view = time.perf_counter() - started
+    check_started = time.perf_counter()
+    check_payload(payload, view)  # ReceiptMismatch ends the peer, and so the bench
+    return transfer.bytes_moved, first_layer, full_view, time.perf_counter() - check_started
 
 
 def _receive_bytes(client: socket.socket, nbytes: int) -> None:

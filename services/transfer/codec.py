@@ -9,6 +9,7 @@ Every domain type crosses the wire here, once per hop, in both directions:
 | generations of a `Receipt` or state        | `Generations`                             |
 | `TransferDescriptor` (e.g. a recall's rows) | `TransferDescriptor`, the transfer fields |
 | `ViewHandoff` (a packed view, its receipt bindings, token 0, sampling, ledger, offload) | `TransferDescriptor`, every field |
+| owner budgets `[L][H_owner]` and `PayloadDigest` of a handoff | `Receipt.owner_budgets` (row-major), `payload_hash`, `payload_digests` |
 
 Wire conventions, mapped here and nowhere else: sampling top_p 0 means 1 (no nucleus
 filtering) and seed 0 means unseeded; a descriptor's generations travel once, in its receipt;
@@ -28,6 +29,8 @@ from typing import Protocol
 
 from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import RecoverabilityMode
+from services.kvpolicy.receipt import PayloadDigest
+from services.kvpolicy.state import BudgetGrid
 from services.model.errors import InvalidModelInput
 from services.model.sampler import SamplingParams
 from services.rpc.kvrelay.v1 import common_pb2, decode_pb2
@@ -39,7 +42,9 @@ from services.transfer.sidecar import sidecar_from_specs, split_specs
 # Counted fields of a `Ledger`, named as in both the dataclass and the message.
 _LEDGER_COUNTS = (
     "bytes_per_row", "num_layers", "num_owners", "prompt_rows", "visible_rows", "unique_kv_rows",
-    "query_expanded_rows", "page_summary_bytes", "host_tier_bytes",
+    "query_expanded_rows", "source_rows", "page_summary_bytes", "host_tier_bytes",
+    "observation_bytes", "score_bytes", "score_workspace_bytes", "allocator_workspace_bytes",
+    "selection_workspace_bytes", "compaction_workspace_bytes",
 )
 # Byte fields of the message and the `Ledger` property each must equal.
 _LEDGER_BYTES = {
@@ -209,6 +214,9 @@ def handoff_to_proto(handoff: ViewHandoff) -> decode_pb2.TransferDescriptor:
     receipt.position_origin = handoff.position_origin
     receipt.retained_rows = handoff.ledger.visible_rows
     receipt.omitted_rows = handoff.ledger.omitted_rows
+    receipt.owner_budgets.extend(budget for row in handoff.owner_budgets for budget in row)
+    receipt.payload_hash = handoff.payload.hash
+    receipt.payload_digests.extend(common_pb2.PayloadDigest(k=k, v=v) for k, v in handoff.payload.layers)
     message.first_token_id = handoff.first_token_id
     message.sampling.CopyFrom(sampling_to_proto(handoff.sampling, handoff.max_tokens))
     message.ledger.CopyFrom(ledger_to_proto(handoff.ledger, bytes_moved=handoff.ledger.traffic_bytes))
@@ -253,9 +261,20 @@ def handoff_from_proto(message: decode_pb2.TransferDescriptor) -> ViewHandoff:
         max_tokens=max_tokens,
         prompt_tokens=message.prompt_tokens,
         ledger=ledger,
+        owner_budgets=_budgets_from_proto(receipt, descriptor.layout.num_layers, descriptor.layout.num_owners),
+        payload=PayloadDigest(receipt.payload_hash, tuple((d.k, d.v) for d in receipt.payload_digests)),
         deadline_unix_ms=message.deadline_unix_ms,
         offload=_offload_from_proto(message),
     )
+
+
+def _budgets_from_proto(receipt: common_pb2.Receipt, num_layers: int, num_owners: int) -> BudgetGrid:
+    """The row-major budgets as `[L][H_owner]`; DescriptorInvalid unless there is one per owner."""
+    flat = [int(b) for b in receipt.owner_budgets]
+    if len(flat) != num_layers * num_owners:
+        reason = f"{len(flat)} entries, the layout has {num_layers} x {num_owners} owners"
+        raise DescriptorInvalid("receipt.owner_budgets", reason)
+    return tuple(tuple(flat[layer * num_owners : (layer + 1) * num_owners]) for layer in range(num_layers))
 
 
 def _offload_from_proto(message: decode_pb2.TransferDescriptor) -> OffloadRef:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import RecoverabilityMode
-from services.kvpolicy.receipt import Receipt
+from services.kvpolicy.receipt import PayloadDigest, Receipt
+from services.kvpolicy.state import BudgetGrid
 from services.model.sampler import SamplingParams
 from services.transfer.errors import DescriptorInvalid, TransferKey
 from services.transfer.layout import TensorSpec, ViewLayout
@@ -25,6 +26,8 @@ from services.transfer.sidecar import SidecarLayout
 
 BACKENDS = ("gloo", "nccl")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_PAYLOAD_HEX = re.compile(r"[0-9a-f]{16,128}")  # a payload digest (xxh3-128: 32)
+_HASH_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
 _ADDRESS = re.compile(r"(?P<host>[^/\s]+):(?P<port>\d{1,5})/(?P<backend>[a-z]+)/(?P<epoch>\d{1,19})")
 
 
@@ -155,9 +158,10 @@ class ViewHandoff:
 
     `descriptor` keys and lays out the transfer and carries the receipt's digest and request,
     state and cache generations; the other receipt bindings (manifest, parent generation,
-    frontier, origin) are here, so the decode worker rebuilds the receipt from the positions it
-    received (`receipt`). Then: output token 0 with the sampling that continues it, the ledger
-    the moved bytes must equal, and what became of the omitted rows. Construction checks what
+    frontier, origin, owner budgets `[L][H_owner]`, payload digest) are here, so the decode
+    worker rebuilds the receipt from the positions it received (`receipt`) and hashes the bytes
+    that arrived. Then: output token 0 with the sampling that continues it, the ledger the
+    moved bytes must equal, and what became of the omitted rows. Construction checks what
     needs no deployment limits (DescriptorInvalid names the wire field); each hop checks the
     rest (token ids against its vocabulary, `check_sampling` against its limits).
     """
@@ -172,6 +176,8 @@ class ViewHandoff:
     max_tokens: int
     prompt_tokens: int
     ledger: Ledger
+    owner_budgets: BudgetGrid
+    payload: PayloadDigest
     deadline_unix_ms: int = 0  # 0: none given
     offload: OffloadRef = OffloadRef()
 
@@ -199,6 +205,9 @@ class ViewHandoff:
                 f" move {self.descriptor.nbytes}",
             )
         _check_offload(self.offload, self.descriptor.sidecar)
+        object.__setattr__(self, "owner_budgets", tuple(tuple(row) for row in self.owner_budgets))
+        _check_budgets(self.owner_budgets, self.descriptor.layout)
+        _check_payload(self.payload, self.descriptor.layout)
 
     @property
     def key(self) -> TransferKey:
@@ -227,6 +236,8 @@ class ViewHandoff:
             position_origin=self.position_origin,
             selected_positions=tuple(tuple(tuple(owner) for owner in layer) for layer in selected_positions),
             protected_positions=tuple(protected_positions),
+            owner_budgets=self.owner_budgets,
+            payload=self.payload,
             digest=descriptor.receipt_digest,
         )
 
@@ -255,6 +266,30 @@ def _check_offload(offload: OffloadRef, sidecar: SidecarLayout | None) -> None:
         raise DescriptorInvalid("offload_address", f"{offload.address!r} is not host:port")
     if remote and offload.lease_ms < 1:
         raise DescriptorInvalid("offload_lease_ms", f"{offload.lease_ms} must be positive")
+
+def _check_budgets(budgets: BudgetGrid, layout: ViewLayout) -> None:
+    """One non-negative budget per (layer, owner) of the layout."""
+    shape = (layout.num_layers, layout.num_owners)
+    if len(budgets) != shape[0] or any(len(row) != shape[1] for row in budgets):
+        raise DescriptorInvalid("receipt.owner_budgets", f"not [{shape[0]}][{shape[1]}] like the layout")
+    for layer, row in enumerate(budgets):
+        for owner, budget in enumerate(row):
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise DescriptorInvalid(f"receipt.owner_budgets[{layer}][{owner}]", f"{budget!r} is not a count")
+
+
+def _check_payload(payload: PayloadDigest, layout: ViewLayout) -> None:
+    """A named hash and one (K, V) pair of hex digests per layer of the layout."""
+    if not isinstance(payload.hash, str) or not _HASH_NAME.fullmatch(payload.hash):
+        raise DescriptorInvalid("receipt.payload_hash", f"{str(payload.hash)[:40]!r} is not a hash name")
+    if len(payload.layers) != layout.num_layers:
+        reason = f"{len(payload.layers)} layer digests, the layout has {layout.num_layers} layers"
+        raise DescriptorInvalid("receipt.payload_digests", reason)
+    for layer, pair in enumerate(payload.layers):
+        for name, value in zip("kv", pair, strict=True):
+            if not isinstance(value, str) or not _PAYLOAD_HEX.fullmatch(value):
+                raise DescriptorInvalid(f"receipt.payload_digests[{layer}].{name}", f"{str(value)[:40]!r} is not hex")
+
 
 def _carrier_pairs(carrier: Mapping[str, str] | Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
     items = carrier.items() if isinstance(carrier, Mapping) else carrier

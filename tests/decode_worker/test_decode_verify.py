@@ -7,15 +7,26 @@ import dataclasses
 
 import pytest
 import torch
-from decode_helpers import pack_state, synthetic_prefill, tampered
+from decode_helpers import (
+    k_bit_flipped,
+    over_budget,
+    pack_state,
+    synthetic_prefill,
+    tampered,
+    v_shifted,
+)
 
 from decode_worker.errors import StaleTransfer, ViewRejected
 from decode_worker.verify import (
+    check_budgets,
     check_fence,
+    check_fidelity,
     check_manifest,
+    check_payload,
     check_view,
     protected_positions_for,
     recompute_receipt,
+    verified_state,
 )
 from services.kvpolicy.fit import Deployment
 from services.kvpolicy.manifest import DType, GQAGrouping, TensorContract, default_manifests
@@ -176,3 +187,75 @@ def test_protected_positions_follow_the_manifest_with_an_origin():
     assert protected_positions_for(MANIFESTS["sink-recent"], 10, origin=5) == (5, 6, 7, 8)
     assert protected_positions_for(MANIFESTS["snapkv"], 10, origin=100) == (106, 107, 108, 109)
     assert torch.equal(torch.tensor(protected_positions_for(MANIFESTS["snapkv"], 3)), torch.arange(3))
+
+
+# --- issue 14: budgets and payload bytes at decode -----------------------------------------
+
+
+@pytest.mark.parametrize(("forge", "field"), [(v_shifted, "packed_v[0]"), (k_bit_flipped, "packed_k[0]")])
+def test_payload_bytes_other_than_the_receipts_are_rejected(forge, field, prefilled):
+    """A V row shifted by one against K, or one flipped bit in K: the positions, the layout and
+    the receipt all still hold, and only the payload digest tells."""
+    packed = pack_state(MANIFESTS["snapkv"], prefilled, "req-1")
+    forged = forge(packed.view)
+    handoff = packed.handoff(forged)
+    check_view(forged, packed.manifest, handoff)
+    assert recompute_receipt(packed.manifest, handoff, forged) == packed.receipt
+    check_payload(packed.handoff(), packed.view)  # the genuine bytes pass
+    with pytest.raises(ViewRejected) as error:
+        check_payload(handoff, forged)
+    assert error.value.field == field
+
+
+def test_a_payload_under_another_hash_is_rejected_naming_it(prefilled):
+    packed = pack_state(MANIFESTS["window"], prefilled, "req-1")
+    other = dataclasses.replace(packed.receipt.payload, hash="blake3")
+    with pytest.raises(ViewRejected) as error:
+        check_payload(packed.handoff(payload=other), packed.view)
+    assert error.value.field == "receipt.payload.hash"
+
+
+def test_an_owner_over_its_budget_is_rejected_at_decode(prefilled):
+    """One extra row for (layer 0, owner 0), whose budget the allocator filled: the receipt's
+    recomputation refuses it naming the owner's budget, before the digest is compared."""
+    packed = pack_state(MANIFESTS["snapkv"], prefilled, "req-1")
+    budget = packed.receipt.owner_budgets[0][0]
+    assert len(packed.view.selected_positions()[0][0]) == budget  # full
+    forged = over_budget(packed.view)
+    handoff = packed.handoff(forged)
+    check_view(forged, packed.manifest, handoff)
+    with pytest.raises(ViewRejected) as error:
+        recompute_receipt(packed.manifest, handoff, forged)
+    assert error.value.field == "receipt.owner_budgets[0][0]"
+    assert f"{budget + 1} rows retained, the budget is {budget}" in error.value.message
+
+
+@pytest.mark.parametrize("name", ["full", "window", "sink-recent"])
+def test_static_budgets_must_be_the_rules_count(name, prefilled):
+    packed = pack_state(MANIFESTS[name], prefilled, "req-1")
+    check_budgets(packed.manifest, packed.handoff())
+    budgets = [list(row) for row in packed.receipt.owner_budgets]
+    budgets[1][1] += 1
+    with pytest.raises(ViewRejected) as error:
+        check_budgets(packed.manifest, packed.handoff(owner_budgets=budgets))
+    assert error.value.field == "receipt.owner_budgets[1][1]"
+
+
+def test_a_full_view_that_omits_a_row_is_rejected(prefilled):
+    """`full_cache_exact` promises every row of every owner: a view missing one (within its
+    budget, well formed) is refused before its receipt is even recomputed."""
+    packed = pack_state(MANIFESTS["full"], prefilled, "req-1")
+    check_fidelity(packed.manifest, packed.handoff(), packed.view)
+    every = packed.view.selected_positions()
+    gapped = [[list(owner) for owner in layer] for layer in every]
+    del gapped[1][0][5]
+    result = prefilled.result
+    view = pack(result.source_k, result.source_v, gapped)
+    with pytest.raises(ViewRejected) as error:
+        check_fidelity(packed.manifest, packed.handoff(view), view)
+    assert error.value.field == "receipt.selected_positions[1][0]"
+
+
+def test_the_verified_state_keeps_the_budgets(prefilled):
+    packed = pack_state(MANIFESTS["snapkv-pyramid"], prefilled, "req-1")
+    assert verified_state(packed.receipt).owner_budgets == packed.state.owner_budgets is not None

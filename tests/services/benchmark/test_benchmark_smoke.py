@@ -2,7 +2,8 @@
 kvrelay, transformers and kvpress on the demo checkpoint and a tiny random Llama, the copy
 reference and a real gloo transfer. Checks the outputs, that every measured number is
 positive and finite, that kvrelay's packed view at the full budget decodes exactly the
-full cache's tokens, and that the kvpress anchor produced tokens from a compressed cache."""
+full cache's tokens, that the kvpress anchor produced tokens from a compressed cache, and
+that every kvrelay compression reports its ledger's transaction peak beside the measured one."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvrelay.cli import app
 from services.benchmark.config import SMOKE_SHAPE, preset
-from services.cli import app
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(240)
@@ -141,3 +142,29 @@ def test_kvpress_decodes_from_a_compressed_cache_and_kvrelay_keeps_its_budget(
         assert run["kv_bytes"] == run["kept_rows"] * 2 * facts[run["model"]]["head_dim"] * 4
         vocab = 1154 if run["model"] == "demo" else SMOKE_SHAPE.vocab_size
         assert all(0 <= t < vocab for t in run["tokens"])
+
+
+def test_every_compression_compares_its_ledger_peak_with_the_measured_peak(
+    bench: tuple[Path, dict[str, Any], str],
+) -> None:
+    out, data, output = bench
+    for run in data["runs"]:
+        peak = run["transaction"]
+        assert (peak is None) == (run["engine"] != "kvrelay-snapkv"), run["engine"]
+        if peak is None:
+            continue
+        assert peak["ledger_peak"] == max(peak["phases"].values()) > 0
+        assert set(peak["phases"]) == {"score", "allocate", "select", "pack", "offload"}
+        memory = peak["compression"]
+        assert memory["start"] == run["prefill_memory"]["start"]
+        assert memory["start"] < memory["peak"] <= run["prefill_memory"]["peak"]
+        ratio = run["transaction_ratio"]
+        assert math.isfinite(ratio) and ratio == peak["ledger_peak"] / (
+            memory["peak"] - memory["start"]
+        )
+    text = (out / "bench.md").read_text()
+    for model in ("demo", "large"):
+        section = text.split(f"### Transaction peak, model `{model}`: ledger vs measured")[1]
+        table = [line for line in section.split("\n\n")[1].splitlines() if line.startswith("| ")]
+        assert len(table) == 1 + len(SMOKE.contexts) * len(SMOKE.budgets), section[:400]
+    assert "transaction peak, model demo" in output

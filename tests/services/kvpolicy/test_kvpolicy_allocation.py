@@ -65,13 +65,35 @@ def test_layer_min_budget_counts_rows_to_cover_the_mass() -> None:
 def test_adakv_raw_counts_and_safeguard() -> None:
     layer = torch.tensor([[0.9, 0.8, 0.7, 0.0], [0.1, 0.1, 0.1, 0.1]])  # [H, T_p]
     assert allocation.adakv_raw_counts(layer, 4) == [3, 1]  # ties at 0.1: lowest position first
-    assert allocation.adakv_layer_budgets(layer, 4, alpha=0.0) == (3, 1)
-    assert allocation.adakv_layer_budgets(layer, 4, alpha=1.0) == (2, 2)
-    assert allocation.adakv_layer_budgets(layer, 4, alpha=0.5) == (
+    assert allocation.adakv_layer_budgets(layer, 4, uniform_share=0.0) == (3, 1)
+    assert allocation.adakv_layer_budgets(layer, 4, uniform_share=1.0) == (2, 2)
+    assert allocation.adakv_layer_budgets(layer, 4, uniform_share=0.5) == (
         3,
         1,
     )  # 2.5 / 1.5: tie -> lower index
-    assert allocation.adakv_layer_budgets(layer, 4, alpha=0.0, floor=2) == (2, 2)
+    assert allocation.adakv_layer_budgets(layer, 4, uniform_share=0.0, floor=2) == (2, 2)
+
+
+def test_adakv_worked_example_uniform_share_is_one_minus_the_papers_alpha() -> None:
+    """Raw counts [[2,4],[3,1],[2,0]] for layer totals [6,4,2], uniform share 0.25 (the Ada-KV
+    paper's alpha 0.75), a one-row floor, exact integer conservation: [[2,4],[3,1],[1,1]]."""
+    raw, totals, share = [[2, 4], [3, 1], [2, 0]], [6, 4, 2], 0.25
+    budgets = [
+        allocation.adakv_budgets_from_counts(counts, total, uniform_share=share, floor=1)
+        for counts, total in zip(raw, totals, strict=True)
+    ]
+    assert budgets == [(2, 4), (3, 1), (1, 1)]
+    assert [sum(b) for b in budgets] == totals
+    # The paper's targets alpha B_i* + (1 - alpha) B/H with alpha = 1 - share: layer 0
+    # [2.25, 3.75], layer 1 [2.75, 1.25], layer 2 [1.75, 0.25] (the floor lifts it to [1, 1]).
+    alpha = Fraction(1) - Fraction(share)
+    for counts, total in zip(raw, totals, strict=True):
+        paper = [alpha * r + (1 - alpha) * Fraction(total, len(counts)) for r in counts]
+        for floor in (0, 1):
+            assert allocation.adakv_budgets_from_counts(
+                counts, total, uniform_share=share, floor=floor
+            ) == allocation.apportion(paper, total, [floor] * len(counts))
+    assert allocation.adakv_budgets_from_counts([2, 0], 2, uniform_share=share) == (2, 0)
 
 
 def test_headkv_base_plus_pool_share() -> None:
@@ -200,9 +222,9 @@ def random_scores(prompt_len: int, window: int, seed: int = 0) -> torch.Tensor:
     [
         ({"method": "uniform"}, "owner"),
         ({"method": "pyramidkv", "beta": 5.0}, "global"),
-        ({"method": "adakv", "alpha": 0.2}, "layer"),
+        ({"method": "adakv", "uniform_share": 0.2}, "layer"),
         ({"method": "zigzagkv", "b_min": 2, "coverage": 0.9}, "global"),
-        ({"method": "uniform", "floor_rows": 1, "cap_rows": 5}, "owner"),
+        ({"method": "pyramidkv", "beta": 5.0, "floor_rows": 1, "cap_rows": 5}, "global"),
     ],
 )
 def test_allocate_conserves_the_total_for_every_method(spec: dict[str, Any], scope: str) -> None:
@@ -257,8 +279,10 @@ def test_allocate_headkv_checks_the_profile_digest() -> None:
 @pytest.mark.parametrize(
     ("spec", "scope", "field"),
     [
-        ({"method": "uniform", "floor_rows": 5}, "owner", "selection.allocation.floor_rows"),
-        ({"method": "uniform", "cap_rows": 3}, "owner", "selection.allocation.cap_rows"),
+        ({"method": "pyramidkv", "beta": 5.0, "floor_rows": 5}, "global",
+         "selection.allocation.floor_rows"),
+        ({"method": "pyramidkv", "beta": 5.0, "cap_rows": 2}, "global",
+         "selection.allocation.cap_rows"),
     ],
 )
 def test_allocate_reports_infeasible_floors_and_caps(
@@ -270,7 +294,7 @@ def test_allocate_reports_infeasible_floors_and_caps(
 
 
 def test_allocate_needs_scores_for_score_driven_methods() -> None:
-    manifest = manifest_with({"method": "adakv", "alpha": 0.2}, "layer")
+    manifest = manifest_with({"method": "adakv", "uniform_share": 0.2}, "layer")
     with pytest.raises(AllocationError) as missing:
         allocation.allocate(manifest, 40)
     assert missing.value.field == "scores"

@@ -1,14 +1,19 @@
-"""Byte ledger: the issue's exact byte counts and the running-shape read ratio."""
+"""Byte ledger: the issue's exact byte counts, the running-shape read ratio, and the
+transaction peak's workspace terms on the wire (the codec and the gateway's summary)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.gateway.summary import Route, TokenClock, build_summary
 from services.kvpolicy.errors import PackingError
-from services.kvpolicy.ledger import build_ledger, decode_read_rows
-from services.kvpolicy.manifest import DType, TensorContract
+from services.kvpolicy.ledger import Ledger, build_ledger, decode_read_rows, ledger_for
+from services.kvpolicy.manifest import DType, TensorContract, default_manifests
 from services.kvpolicy.packing import pack
+from services.rpc.kvrelay.v1 import decode_pb2, prefill_pb2
+from services.transfer import DescriptorInvalid
+from services.transfer.codec import ledger_from_proto, ledger_to_proto
 
 torch.set_num_threads(1)
 
@@ -92,3 +97,72 @@ def test_ledger_rejects_a_grid_of_the_wrong_shape() -> None:
     with pytest.raises(PackingError) as info:
         build_ledger(SMALL, 8, SELECTED[:1])
     assert info.value.field == "selected"
+
+
+WORKSPACE_FIELDS = (
+    "source_rows", "observation_bytes", "score_bytes", "score_workspace_bytes",
+    "allocator_workspace_bytes", "selection_workspace_bytes", "compaction_workspace_bytes",
+)
+
+
+def adakv_ledger() -> Ledger:
+    """Ada-KV over 64 tokens of a GQA contract (H_q 4 on H_kv 2), W_obs 8, budget 25%."""
+    contract = TensorContract(2, 4, 2, 4, DType.FLOAT32, DType.FLOAT32)
+    manifest = default_manifests(contract, observation_window=8)["snapkv-adakv"]
+    protected = tuple(range(56, 64))
+    selected = [[(0, 9, 30, 41) + protected, (3, 5, 7, 50) + protected] for _ in range(2)]
+    return ledger_for(manifest, 64, selected)
+
+
+def test_the_workspace_terms_follow_the_formulas() -> None:
+    ledger = adakv_ledger()
+    assert ledger.source_rows == 2 * 2 * 64
+    assert ledger.observation_bytes == 4 * 2 * 4 * 8 * 64  # [L, H_q, W, T] fp32
+    assert ledger.score_bytes == 4 * 2 * 2 * 56  # [L, H_kv, T - W] fp32
+    assert ledger.score_workspace_bytes == 7 * 2 * 4 * 8 * 64  # the isfinite check
+    assert ledger.allocator_workspace_bytes == 24 * 2 * 56  # one layer's copy and its sort
+    assert ledger.selection_workspace_bytes == 20 * 56  # one owner's sort
+    assert ledger.compaction_workspace_bytes == 17 * 48 + 16 * 2 * 2
+    phases = ledger.transaction_phases
+    assert list(phases) == ["score", "allocate", "select", "pack", "offload"]
+    observation = 4 * 2 * 4 * 8 * 64
+    assert phases["score"] == ledger.source_payload_bytes + observation + 7 * observation // 4
+    assert ledger.transaction_peak_bytes == phases["score"] > phases["pack"]
+    view = ledger.visible_payload_bytes + ledger.position_map_bytes + ledger.offsets_bytes
+    assert phases["pack"] == (
+        ledger.source_payload_bytes + observation + 896 + view + ledger.compaction_workspace_bytes
+    )
+
+
+def test_a_ledger_without_a_manifest_keeps_the_packing_peak() -> None:
+    ledger = build_ledger(SMALL, 8, SELECTED)
+    assert all(getattr(ledger, name) == 0 for name in WORKSPACE_FIELDS[1:])
+    assert ledger.transaction_phases["pack"] == ledger.transaction_phases["offload"] == 856
+
+
+def test_the_workspace_travels_on_the_wire_and_reaches_the_summary() -> None:
+    ledger = adakv_ledger()
+    message = ledger_to_proto(ledger, bytes_moved=ledger.traffic_bytes)
+    assert {name: getattr(message, name) for name in WORKSPACE_FIELDS} == {
+        name: getattr(ledger, name) for name in WORKSPACE_FIELDS
+    }
+    assert message.transaction_peak_bytes == ledger.transaction_peak_bytes
+    assert ledger_from_proto(message) == ledger
+    tampered = type(message)()
+    tampered.CopyFrom(message)
+    tampered.score_workspace_bytes += 4
+    with pytest.raises(DescriptorInvalid) as caught:
+        ledger_from_proto(tampered)
+    assert caught.value.field == "ledger" and "transaction_peak_bytes" in caught.value.reason
+    tampered.score_workspace_bytes = -1
+    with pytest.raises(DescriptorInvalid) as caught:
+        ledger_from_proto(tampered)
+    assert caught.value.field == "ledger.score_workspace_bytes"
+    summary = build_summary(
+        Route("req", "sha", 64, "p", "d"),
+        prefill_pb2.PrefillResponse(),
+        decode_pb2.DecodeSummary(ledger=message),
+        TokenClock(),
+    )
+    assert summary.ledger.observation_bytes == ledger.observation_bytes
+    assert summary.ledger.transaction_peak_bytes == ledger.transaction_peak_bytes

@@ -15,9 +15,12 @@ from services.kvpolicy.packing import (
     OFFSET_DTYPE,
     POSITION_DTYPE,
     PackedKVView,
+    SourceCache,
+    materialize,
     pack,
     validate_view,
 )
+from services.kvpolicy.state import KVPolicyState
 
 torch.set_num_threads(1)
 
@@ -259,3 +262,54 @@ def test_view_error_names_the_segment() -> None:
     with pytest.raises(PackingError) as info:
         replace(good, original_position_map=bad_map)
     assert "layer 1 owner 1" in info.value.reason
+
+
+# --- materialization checks the source cache (issue 14, item 4) ----------------------------
+
+
+def source_state(**overrides: object) -> KVPolicyState:
+    fields: dict[str, object] = {
+        "request_id": "req-1", "manifest_sha256": "ab" * 32, "request_generation": 1,
+        "state_generation": 1, "parent_state_generation": 0, "cache_generation": 3,
+        "frontier": 8, "selected_positions": SELECTED,
+    }
+    return KVPolicyState(**{**fields, **overrides})  # type: ignore[arg-type]
+
+
+def test_materialize_gathers_the_states_rows_from_its_image() -> None:
+    k, v = symbolic_kv(2, 2, 8, 4)
+    view = materialize(source_state(), SourceCache(k, v, cache_generation=3))
+    reference = example_view()
+    assert torch.equal(view.packed_k, reference.packed_k) and torch.equal(view.packed_v, reference.packed_v)
+    assert view.selected_positions() == SELECTED
+
+
+def test_materialize_reads_positions_from_the_sources_origin() -> None:
+    """A source image of positions [100, 108): row p - 100 holds position p."""
+    k, v = symbolic_kv(2, 2, 8, 4)
+    shifted = [[[100 + p for p in owner] for owner in layer] for layer in SELECTED]
+    state = source_state(position_origin=100, selected_positions=shifted)
+    view = materialize(state, SourceCache(k, v, cache_generation=3, position_origin=100))
+    assert torch.equal(view.packed_k, example_view().packed_k)
+    assert view.selected_positions() == shifted
+    with pytest.raises(PackingError) as outside:
+        pack(k, v, SELECTED, origin=100)
+    assert outside.value.field == "selected[0][0]"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "source_args", "field"),
+    [
+        ({}, {"cache_generation": 4}, "cache_generation"),
+        ({"frontier": 9}, {"cache_generation": 3}, "frontier"),  # 9 positions over a source of 8
+        ({"frontier": 7, "selected_positions": [[[0, 6]] * 2] * 2}, {"cache_generation": 3}, "frontier"),
+        ({}, {"cache_generation": 3, "position_origin": 2}, "position_origin"),
+    ],
+)
+def test_materialize_refuses_a_state_of_another_image(
+    overrides: dict[str, object], source_args: dict[str, int], field: str
+) -> None:
+    k, v = symbolic_kv(2, 2, 8, 4)
+    with pytest.raises(PackingError) as info:
+        materialize(source_state(**overrides), SourceCache(k, v, **source_args))
+    assert info.value.field == field

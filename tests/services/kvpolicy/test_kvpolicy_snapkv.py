@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -16,6 +18,7 @@ from services.kvpolicy.errors import SelectionError
 from services.kvpolicy.ledger import ledger_for
 from services.kvpolicy.manifest import (
     DType,
+    GQAOrder,
     GQAReduction,
     KVVisibilityPolicyManifest,
     Pooling,
@@ -175,30 +178,12 @@ def brute_force(
     budgets: list[list[int]],
     tie_rule: TieRule,
     sinks: int,
+    order: GQAOrder = GQAOrder.POOL_THEN_REDUCE,
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     prefix = prompt_len - window
-    pad = kernel // 2
-
-    def vote(layer: int, q: int, t: int) -> Fraction:
-        total = sum((raw[layer][q][w][t] for w in range(window)), Fraction(0))
-        return total if aggregation is ScoreAggregation.SUM else total / window
-
-    def pooled(layer: int, q: int, t: int) -> Fraction:
-        if pooling is Pooling.NONE:
-            return vote(layer, q, t)
-        near = [vote(layer, q, j) for j in range(t - pad, t + pad + 1) if 0 <= j < prefix]
-        return sum(near, Fraction(0)) / kernel if pooling is Pooling.AVG else max(near)
-
-    def owner_score(layer: int, owner: int, t: int) -> Fraction:
-        if reduction is GQAReduction.EXPAND:
-            return pooled(layer, owner, t)
-        members = [pooled(layer, q, t) for q, kv in enumerate(head_map) if kv == owner]
-        return (
-            sum(members, Fraction(0)) / len(members)
-            if reduction is GQAReduction.MEAN
-            else max(members)
-        )
-
+    owner_score = brute_force_scorer(
+        raw, prompt_len, window, pooling, kernel, aggregation, reduction, head_map, order
+    )
     first = min(sinks, prefix)
     out = []
     for layer, layer_budgets in enumerate(budgets):
@@ -219,6 +204,49 @@ def brute_force(
             )
         out.append(tuple(row))
     return tuple(out)
+
+
+def brute_force_scorer(
+    raw: list[list[list[list[Fraction]]]],  # [L][H_q][W][T]
+    prompt_len: int,
+    window: int,
+    pooling: Pooling,
+    kernel: int,
+    aggregation: ScoreAggregation,
+    reduction: GQAReduction,
+    head_map: list[int],
+    order: GQAOrder,
+) -> Callable[[int, int, int], Fraction]:
+    """score(layer, owner, t) in exact arithmetic, one formula per step, in `order`."""
+    prefix = prompt_len - window
+    pad = kernel // 2
+
+    def vote(layer: int, q: int, t: int) -> Fraction:
+        total = sum((raw[layer][q][w][t] for w in range(window)), Fraction(0))
+        return total if aggregation is ScoreAggregation.SUM else total / window
+
+    def pool(series: Callable[[int], Fraction], t: int) -> Fraction:
+        if pooling is Pooling.NONE:
+            return series(t)
+        near = [series(j) for j in range(t - pad, t + pad + 1) if 0 <= j < prefix]
+        return sum(near, Fraction(0)) / kernel if pooling is Pooling.AVG else max(near)
+
+    def reduce(members: list[Fraction]) -> Fraction:
+        if reduction is GQAReduction.MEAN:
+            return sum(members, Fraction(0)) / len(members)
+        return max(members)
+
+    def group(owner: int) -> list[int]:
+        return [owner] if reduction is GQAReduction.EXPAND else [
+            q for q, kv in enumerate(head_map) if kv == owner]
+
+    def pool_then_reduce(layer: int, owner: int, t: int) -> Fraction:
+        return reduce([pool(lambda j, q=q: vote(layer, q, j), t) for q in group(owner)])
+
+    def reduce_then_pool(layer: int, owner: int, t: int) -> Fraction:
+        return pool(lambda j: reduce([vote(layer, q, j) for q in group(owner)]), t)
+
+    return pool_then_reduce if order is GQAOrder.POOL_THEN_REDUCE else reduce_then_pool
 
 
 @st.composite
@@ -253,6 +281,7 @@ def snapkv_case(draw: st.DrawFn) -> dict[str, Any]:
         "aggregation": draw(st.sampled_from(list(ScoreAggregation))),
         "reduction": reduction,
         "tie_rule": draw(st.sampled_from(list(TieRule))),
+        "order": draw(st.sampled_from(list(GQAOrder))),
         "sinks": draw(st.integers(0, 2)),
         "budgets": [
             [draw(st.integers(0, prompt_len)) for _ in range(owners)] for _ in range(layers)
@@ -283,6 +312,7 @@ def test_selection_equals_brute_force_including_gqa_and_ties(case: dict[str, Any
         case["aggregation"],
         case["reduction"],
         head_map,
+        case["order"],
     )
     selected = snapkv.select_snapkv(
         scores, case["budgets"], case["window"], case["prompt_len"], case["tie_rule"], case["sinks"]
@@ -299,8 +329,47 @@ def test_selection_equals_brute_force_including_gqa_and_ties(case: dict[str, Any
         case["budgets"],
         case["tie_rule"],
         case["sinks"],
+        case["order"],
     )
     assert selected == expected
+
+
+ORDER_CASES = [
+    (GQAReduction.MEAN, Pooling.AVG, False),
+    (GQAReduction.MAX, Pooling.MAX, False),
+    (GQAReduction.MAX, Pooling.AVG, True),
+    (GQAReduction.MEAN, Pooling.MAX, True),
+]
+
+
+@pytest.mark.parametrize(("reduction", "pooling", "differ"), ORDER_CASES)
+def test_gqa_order_both_orders_match_brute_force_and_differ_exactly_where_declared(
+    reduction: GQAReduction, pooling: Pooling, differ: bool
+) -> None:
+    """Two query heads per K/V head with votes peaked at adjacent positions: max pooling of
+    the group mean is not the mean of the max-pooled heads, and the max over the group of the
+    avg-pooled heads is not the avg pooling of the group max."""
+    head_map, window, prompt_len, kernel = [0, 0, 1, 1], 1, 9, 3
+    peaks = [1, 2, 5, 6]  # the query heads' peak positions: a group's two peaks are adjacent
+    exact = [[[[Fraction(8 if t == peak else t % 3, 8) for t in range(prompt_len)]]
+              for peak in peaks]]  # [L=1][H_q][W=1][T], multiples of 1/8: float32-exact
+    attn = torch.tensor([[[[float(x) for x in row] for row in head] for head in exact[0]]])
+    scores = {
+        order: snapkv.snapkv_scores(attn, prompt_len, window, pooling, kernel,
+                                    ScoreAggregation.SUM, reduction, head_map, order)
+        for order in GQAOrder
+    }
+    prefix = prompt_len - window
+    for order, got in scores.items():
+        reference = brute_force_scorer(exact, prompt_len, window, pooling, kernel,
+                                       ScoreAggregation.SUM, reduction, head_map, order)
+        want = [[[float(reference(0, owner, t)) for t in range(prefix)] for owner in range(2)]]
+        torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=1e-6)
+    orders_differ = not torch.allclose(*scores.values())
+    assert orders_differ is differ
+    params = example_manifest(reduction.value).selection.snapkv
+    assert params is not None
+    assert dataclasses.replace(params, pooling=pooling).orders_differ is differ
 
 
 # --- errors ----------------------------------------------------------------------------

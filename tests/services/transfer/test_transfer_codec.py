@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from services.kvpolicy.compress import owner_capacities
 from services.kvpolicy.errors import ReceiptMismatch
 from services.kvpolicy.ledger import ledger_for, with_host_tier, with_page_summaries
 from services.kvpolicy.manifest import DType, TensorContract, default_manifests
-from services.kvpolicy.packing import pack
+from services.kvpolicy.packing import SourceIdentity, pack
 from services.kvpolicy.receipt import Receipt, make_receipt
 from services.kvpolicy.state import KVPolicyState
 from services.kvpolicy.static import static_protected_positions, static_selection
@@ -50,8 +51,9 @@ def packed_receipt() -> tuple[torch.Tensor, Receipt]:
         request_id="req-1", manifest_sha256=MANIFEST.sha256, request_generation=3, state_generation=1,
         parent_state_generation=0, cache_generation=1, frontier=LENGTH, selected_positions=selected,
         protected_positions=static_protected_positions(MANIFEST.selection, LENGTH),
+        owner_budgets=owner_capacities(MANIFEST, LENGTH, None),
     )
-    return view, make_receipt(MANIFEST, state, view)
+    return view, make_receipt(MANIFEST, state, view, source=SourceIdentity(LENGTH, 1))
 
 
 def handoff_of(view, receipt: Receipt, **changes: object) -> ViewHandoff:  # type: ignore[no-untyped-def]
@@ -67,6 +69,7 @@ def handoff_of(view, receipt: Receipt, **changes: object) -> ViewHandoff:  # typ
         "position_origin": receipt.position_origin, "first_token_id": 5, "sampling": SAMPLING, "max_tokens": 9,
         "prompt_tokens": LENGTH, "ledger": ledger_for(MANIFEST, LENGTH, receipt.selected_positions),
         "deadline_unix_ms": 1_700_000_000_000,
+        "owner_budgets": receipt.owner_budgets, "payload": receipt.payload,
     }
     return ViewHandoff(**{**fields, **changes})  # type: ignore[arg-type]
 
@@ -118,6 +121,24 @@ def test_handoff_round_trips_and_rebuilds_the_published_receipt() -> None:
     assert caught.value.field == "digest"
 
 
+def test_budgets_and_payload_digest_travel_and_are_bound_by_the_receipt_digest() -> None:
+    """Row-major budgets and per-layer (K, V) digests on the wire; a handoff claiming other
+    budgets or another payload digest no longer recomputes the published receipt."""
+    view, receipt = packed_receipt()
+    assert receipt.owner_budgets is not None and receipt.payload is not None
+    message = handoff_to_proto(handoff_of(view, receipt))
+    assert list(message.receipt.owner_budgets) == [b for row in receipt.owner_budgets for b in row]
+    assert [(d.k, d.v) for d in message.receipt.payload_digests] == list(receipt.payload.layers)
+    assert message.receipt.payload_hash == receipt.payload.hash
+    positions = view.selected_positions()
+    bigger = tuple(tuple(b + 1 for b in row) for row in receipt.owner_budgets)
+    other_payload = dataclasses.replace(receipt.payload, layers=receipt.payload.layers[::-1])
+    for change in ({"owner_budgets": bigger}, {"payload": other_payload}):
+        with pytest.raises(ReceiptMismatch) as caught:
+            handoff_of(view, receipt, **change).receipt(positions, receipt.protected_positions)
+        assert caught.value.field == "digest"
+
+
 def test_handoff_parts_that_disagree_are_refused_naming_the_field() -> None:
     view, receipt = packed_receipt()
     message = handoff_to_proto(handoff_of(view, receipt))
@@ -131,6 +152,11 @@ def test_handoff_parts_that_disagree_are_refused_naming_the_field() -> None:
         "recoverability": lambda m: setattr(m, "recoverability", "somewhere"),
         "tensors": lambda m: setattr(m, "recoverability", "recallable_local"),
         "offload_handoff_id": lambda m: setattr(m, "offload_handoff_id", "h-1"),
+        "receipt.owner_budgets": lambda m: m.receipt.owner_budgets.pop(),
+        "receipt.owner_budgets[1][0]": lambda m: m.receipt.owner_budgets.__setitem__(2, -1),
+        "receipt.payload_hash": lambda m: setattr(m.receipt, "payload_hash", ""),
+        "receipt.payload_digests": lambda m: m.receipt.payload_digests.pop(),
+        "receipt.payload_digests[1].v": lambda m: setattr(m.receipt.payload_digests[1], "v", "not hex"),
     }
     for field, corrupt in cases.items():
         broken = decode_pb2.TransferDescriptor.FromString(message.SerializeToString())
@@ -146,3 +172,14 @@ def test_a_handoff_whose_ledger_is_not_its_tensors_cannot_be_built() -> None:
     with pytest.raises(DescriptorInvalid) as caught:
         dataclasses.replace(handoff, ledger=with_page_summaries(handoff.ledger, 8))
     assert caught.value.field == "ledger"
+
+
+def test_a_handoff_whose_budgets_or_digests_are_not_its_layouts_cannot_be_built() -> None:
+    view, receipt = packed_receipt()
+    handoff = handoff_of(view, receipt)
+    with pytest.raises(DescriptorInvalid) as budgets:
+        dataclasses.replace(handoff, owner_budgets=handoff.owner_budgets[:1])
+    assert budgets.value.field == "receipt.owner_budgets"
+    with pytest.raises(DescriptorInvalid) as digests:
+        dataclasses.replace(handoff, payload=dataclasses.replace(handoff.payload, layers=()))
+    assert digests.value.field == "receipt.payload_digests"

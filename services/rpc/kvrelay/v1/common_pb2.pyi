@@ -149,7 +149,7 @@ class Fence(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., request_generation: _Optional[int] = ..., state_generation: _Optional[int] = ..., cache_generation: _Optional[int] = ..., receipt_digest: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., updated_at_unix_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("digest", "manifest_sha256", "generations", "frontier", "position_origin", "retained_rows", "omitted_rows")
+    __slots__ = ("digest", "manifest_sha256", "generations", "frontier", "position_origin", "retained_rows", "omitted_rows", "owner_budgets", "payload_hash", "payload_digests")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,9 @@ class Receipt(_message.Message):
     POSITION_ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RETAINED_ROWS_FIELD_NUMBER: _ClassVar[int]
     OMITTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     digest: str
     manifest_sha256: str
     generations: Generations
@@ -164,10 +167,21 @@ class Receipt(_message.Message):
     position_origin: int
     retained_rows: int
     omitted_rows: int
-    def __init__(self, digest: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., generations: _Optional[_Union[Generations, _Mapping]] = ..., frontier: _Optional[int] = ..., position_origin: _Optional[int] = ..., retained_rows: _Optional[int] = ..., omitted_rows: _Optional[int] = ...) -> None: ...
+    owner_budgets: _containers.RepeatedScalarFieldContainer[int]
+    payload_hash: str
+    payload_digests: _containers.RepeatedCompositeFieldContainer[PayloadDigest]
+    def __init__(self, digest: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., generations: _Optional[_Union[Generations, _Mapping]] = ..., frontier: _Optional[int] = ..., position_origin: _Optional[int] = ..., retained_rows: _Optional[int] = ..., omitted_rows: _Optional[int] = ..., owner_budgets: _Optional[_Iterable[int]] = ..., payload_hash: _Optional[str] = ..., payload_digests: _Optional[_Iterable[_Union[PayloadDigest, _Mapping]]] = ...) -> None: ...
+
+class PayloadDigest(_message.Message):
+    __slots__ = ("k", "v")
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    k: str
+    v: str
+    def __init__(self, k: _Optional[str] = ..., v: _Optional[str] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes", "num_layers", "num_owners", "owners_are_query_heads", "prompt_rows", "visible_rows", "unique_kv_rows", "query_expanded_rows")
+    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes", "num_layers", "num_owners", "owners_are_query_heads", "prompt_rows", "visible_rows", "unique_kv_rows", "query_expanded_rows", "source_rows", "observation_bytes", "score_bytes", "score_workspace_bytes", "allocator_workspace_bytes", "selection_workspace_bytes", "compaction_workspace_bytes")
     BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     FULL_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +201,13 @@ class Ledger(_message.Message):
     VISIBLE_ROWS_FIELD_NUMBER: _ClassVar[int]
     UNIQUE_KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     QUERY_EXPANDED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCORE_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATOR_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPACTION_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes_per_row: int
     full_payload_bytes: int
     visible_payload_bytes: int
@@ -206,7 +227,14 @@ class Ledger(_message.Message):
     visible_rows: int
     unique_kv_rows: int
     query_expanded_rows: int
-    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_owners: _Optional[int] = ..., owners_are_query_heads: _Optional[bool] = ..., prompt_rows: _Optional[int] = ..., visible_rows: _Optional[int] = ..., unique_kv_rows: _Optional[int] = ..., query_expanded_rows: _Optional[int] = ...) -> None: ...
+    source_rows: int
+    observation_bytes: int
+    score_bytes: int
+    score_workspace_bytes: int
+    allocator_workspace_bytes: int
+    selection_workspace_bytes: int
+    compaction_workspace_bytes: int
+    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_owners: _Optional[int] = ..., owners_are_query_heads: _Optional[bool] = ..., prompt_rows: _Optional[int] = ..., visible_rows: _Optional[int] = ..., unique_kv_rows: _Optional[int] = ..., query_expanded_rows: _Optional[int] = ..., source_rows: _Optional[int] = ..., observation_bytes: _Optional[int] = ..., score_bytes: _Optional[int] = ..., score_workspace_bytes: _Optional[int] = ..., allocator_workspace_bytes: _Optional[int] = ..., selection_workspace_bytes: _Optional[int] = ..., compaction_workspace_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")

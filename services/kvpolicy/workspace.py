@@ -1,0 +1,232 @@
+"""Workspace of a compression transaction: the bytes each stage of `services.kvpolicy.compress`
+holds besides the source cache, as formulas of the manifest and the prompt length.
+
+Notation (a prompt of T tokens under one manifest): L layers, H_q query heads, H_o owners per
+layer (H_kv, or H_q under GQA `expand`), W = min(W_obs, T) observation rows (0 for static
+policies, which capture none), T_p = T - W prefix rows, T_c = T_p - min(sinks, T_p) candidate
+rows per owner, R retained rows. fp32 is 4 bytes, int64 8, bool 1.
+
+    observation   4 L H_q W T              the window's attention `[L, H_q, W, T]` fp32
+    scores        4 L H_o T_p              SnapKV owner scores `[L, H_owner, T_p]` fp32
+    scoring       max of its steps, besides the observation (`score_workspace_bytes`)
+    allocation    the allocator's tensors besides the scores (`allocator_workspace_bytes`)
+    selection     the selector's tensors besides the scores (`selection_workspace_bytes`)
+    compaction    the gather index and the view check, besides source and view
+                  (`compaction_workspace_bytes`)
+
+Each formula follows the tensors the code allocates (`services.kvpolicy.snapkv`,
+`allocation`, `packing`), counted by torch's own allocator accounting in
+tests/services/kvpolicy/test_kvpolicy_workspace.py; a change of those modules that changes
+what they allocate changes these formulas in the same change. Not counted: Python objects
+(position tuples, Fractions), the model's forward (it ends before the transaction starts),
+and the offload stage's gather of omitted rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.kvpolicy.manifest import (
+    AllocationMethod,
+    GQAOrder,
+    GQAReduction,
+    KVVisibilityPolicyManifest,
+    Pooling,
+    ScoreAggregation,
+    SelectionMethod,
+    SnapKVParams,
+    TieRule,
+)
+
+_FP32 = 4
+_FP64 = 8
+_INT64 = 8
+_BOOL = 1
+# torch.isfinite(x) on floats is `(x == x) * (|x| != inf)`: |x| in fp32 plus three bool masks.
+_ISFINITE_BYTES_PER_ELEMENT = _FP32 + 3 * _BOOL
+# A 1-D sort of n fp32 keys: values (4 n), indices (8 n) and an int64 buffer of n (8 n).
+_SORT_BYTES_PER_KEY = _FP32 + 2 * _INT64
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The transaction's workspace terms, in bytes (all 0 for a static policy, except
+    compaction)."""
+
+    observation_bytes: int = 0
+    score_bytes: int = 0
+    score_workspace_bytes: int = 0
+    allocator_workspace_bytes: int = 0
+    selection_workspace_bytes: int = 0
+    compaction_workspace_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes every formula reads."""
+
+    layers: int
+    q_heads: int
+    owners: int
+    window: int
+    prompt: int
+    prefix: int
+    candidates: int
+
+
+def transaction_workspace(
+    manifest: KVVisibilityPolicyManifest,
+    prompt_len: int,
+    selected: Sequence[Sequence[Sequence[int]]],
+) -> Workspace:
+    """Every workspace term of compressing a prompt of `prompt_len` tokens under `manifest`
+    into the selection `selected[l][h]`."""
+    compaction = compaction_workspace_bytes(
+        manifest.tensor.num_layers, manifest.num_owners, _rows(selected)
+    )
+    params = manifest.selection.snapkv
+    if manifest.selection.method is not SelectionMethod.SNAPKV or params is None:
+        return Workspace(compaction_workspace_bytes=compaction)
+    shape = _shape(manifest, params, prompt_len)
+    return Workspace(
+        observation_bytes=_FP32 * shape.layers * shape.q_heads * shape.window * shape.prompt,
+        score_bytes=_score_bytes(shape),
+        score_workspace_bytes=_score_workspace_bytes(
+            params, shape, manifest.tensor.resolved_q_to_kv_head_map()
+        ),
+        allocator_workspace_bytes=_allocator_workspace_bytes(manifest, shape),
+        selection_workspace_bytes=_selection_workspace_bytes(manifest, shape, selected),
+        compaction_workspace_bytes=compaction,
+    )
+
+
+def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequence[int]) -> int:
+    """The most bytes scoring holds at once besides the observation; the largest of its steps
+    (`snapkv.snapkv_scores`), with V = 4 L H_q T_p (one vote tensor):
+
+    - input check: `isfinite` over the observation, 7 L H_q W T (|x| plus three masks);
+    - vote: V, twice while `mean` divides the window sum;
+    - pooling (kernel k > 1): the vote, the padded vote 4 L H_q (T_p + 2 floor(k/2)) and the
+      pooled output, plus avg's window sum before it divides: 2V + pad (max), 3V + pad (avg);
+    - GQA reduction (`mean`/`max`): vote and pooled vote, each group's gathered rows
+      4 L G T_p with its reduced rows, the rows of the groups before, and then the stacked
+      scores beside the per-group rows (2 * 4 L H_kv T_p); `expand` allocates nothing new.
+
+    Under `gqa_order: reduce_then_pool` the reduction runs on the vote (vote + the group
+    buffers), then pooling runs on the owner votes `[L, H_owner, T_p]` while the vote is
+    still held.
+    """
+    observation = shape.layers * shape.q_heads * shape.window * shape.prompt
+    check = _ISFINITE_BYTES_PER_ELEMENT * observation
+    vote = _FP32 * shape.layers * shape.q_heads * shape.prefix
+    voting = 2 * vote if params.aggregation is ScoreAggregation.MEAN else vote
+    reduces = params.gqa_reduction is not GQAReduction.EXPAND
+    groups = _group_reduction_peak(head_map, _FP32 * shape.layers * shape.prefix) if reduces else 0
+    if params.gqa_order is GQAOrder.REDUCE_THEN_POOL:
+        # the vote stays held while its owner reduction is pooled
+        pooling = _pooling_peak(params, shape, shape.owners)
+        return max(check, voting, vote + groups, (vote if reduces else 0) + pooling)
+    pooling = _pooling_peak(params, shape, shape.q_heads)
+    held = 2 * vote if pooling else vote  # the vote, and the pooled vote when it is another
+    return max(check, voting, pooling, held + groups)
+
+
+def _pooling_peak(params: SnapKVParams, shape: _Shape, heads: int) -> int:
+    """`snapkv.pool_scores` over `[L, heads, T_p]` fp32 (P bytes): 0 when it returns its input
+    itself (no pooling, kernel 1, no prefix); else input + padded input + output, and avg's sum
+    before it divides: 3P + pad (avg), 2P + pad (max)."""
+    kernel = params.pooling_kernel
+    if params.pooling is Pooling.NONE or kernel == 1 or shape.prefix == 0:
+        return 0
+    pooled = _FP32 * shape.layers * heads * shape.prefix
+    padded = _FP32 * shape.layers * heads * (shape.prefix + 2 * (kernel // 2))
+    return (3 if params.pooling is Pooling.AVG else 2) * pooled + padded
+
+
+def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Shape) -> int:
+    """The allocator's tensors besides the scores (`allocation.allocate`). None when the
+    prompt fits the capacity (every owner keeps all its candidates) and for uniform,
+    PyramidKV and HeadKV (exact fractions, no tensors). Ada-KV, one layer at a time: its
+    position-major copy of the layer's scores (4 n, n = H_o T_c; none when H_o = 1) and the
+    sort of it (20 n). ZigZagKV (`allocation.layer_min_budget`), with M = L H_o T_c: while
+    sorting, the fp64 copy of the candidate scores, its sorted values and indices (24 M) and
+    the sort's buffer of one row (8 T_c); then sorted values, their cumulative sum, the
+    coverage mask and the int64 copy that summing the mask makes (25 M), beside two int64
+    `[L, H_o]` tensors (the mass targets and the counts) — whichever is larger."""
+    spec = manifest.selection.allocation
+    if spec is None or shape.prompt <= manifest.selection.capacity(shape.prompt):
+        return 0
+    if spec.method is AllocationMethod.ADAKV:
+        keys = shape.owners * shape.candidates
+        copy = _FP32 * keys if shape.owners > 1 else 0
+        return copy + _SORT_BYTES_PER_KEY * keys
+    if spec.method is AllocationMethod.ZIGZAGKV:
+        keys = shape.layers * shape.owners * shape.candidates
+        sorting = (2 * _FP64 + _INT64) * keys + _INT64 * shape.candidates
+        counting = (2 * _FP64 + _BOOL + _INT64) * keys + 2 * _INT64 * shape.layers * shape.owners
+        return max(sorting, counting)
+    return 0
+
+
+def _selection_workspace_bytes(
+    manifest: KVVisibilityPolicyManifest,
+    shape: _Shape,
+    selected: Sequence[Sequence[Sequence[int]]],
+) -> int:
+    """The selector's tensors besides the scores (`snapkv.select_snapkv`): the NaN check's
+    mask (L H_o T_p bool), or one owner's sort of its T_c candidates (20 T_c; 24 T_c under
+    `position_descending`, which sorts a flipped copy), whichever is larger. Only an owner
+    that keeps some but not all of its candidates sorts."""
+    nan_mask = _BOOL * shape.layers * shape.owners * shape.prefix
+    protected = min(manifest.selection.protected.sinks, shape.prefix) + shape.window
+    sorts = any(
+        0 < len(owner) - protected < shape.candidates for layer in selected for owner in layer
+    )
+    if not sorts:
+        return nan_mask
+    per_key = _SORT_BYTES_PER_KEY
+    if manifest.selection.tie_rule is TieRule.POSITION_DESCENDING:
+        per_key += _FP32
+    return max(nan_mask, per_key * shape.candidates)
+
+
+def compaction_workspace_bytes(num_layers: int, num_owners: int, visible_rows: int) -> int:
+    """What packing holds besides the source and the finished view (`packing.pack` and the
+    view's construction check): the int64 gather index (8 R), the check's int64 copy of the
+    position map (8 R) and its ascending mask (R), and the segment starts it exempts (two
+    int64 tensors of at most L H_o entries)."""
+    return (2 * _INT64 + _BOOL) * visible_rows + 2 * _INT64 * num_layers * num_owners
+
+
+def _shape(manifest: KVVisibilityPolicyManifest, params: SnapKVParams, prompt_len: int) -> _Shape:
+    window = min(params.observation_window, prompt_len)
+    prefix = prompt_len - window
+    return _Shape(
+        layers=manifest.tensor.num_layers,
+        q_heads=manifest.tensor.num_q_heads,
+        owners=manifest.num_owners,
+        window=window,
+        prompt=prompt_len,
+        prefix=prefix,
+        candidates=prefix - min(manifest.selection.protected.sinks, prefix),
+    )
+
+
+def _score_bytes(shape: _Shape) -> int:
+    return _FP32 * shape.layers * shape.owners * shape.prefix
+
+
+def _group_reduction_peak(head_map: Sequence[int], row_bytes: int) -> int:
+    """Peak of `snapkv.reduce_gqa` over its groups, `row_bytes` = 4 L T_p: group i gathers
+    its G_i query heads' rows (G_i rows) and reduces them (one row) while the i rows of the
+    groups before it are held; then the stack writes H_kv rows beside those H_kv rows."""
+    groups = [head_map.count(kv) for kv in range(max(head_map) + 1)]
+    peak = 0
+    for done, size in enumerate(groups):
+        peak = max(peak, (done + size + 1) * row_bytes)
+    return max(peak, 2 * len(groups) * row_bytes)
+
+
+def _rows(selected: Sequence[Sequence[Sequence[int]]]) -> int:
+    return sum(len(owner) for layer in selected for owner in layer)
