@@ -132,13 +132,18 @@ class Acceptor:
         )
 
     async def _post_receives(self, handoff: ViewHandoff, deadline: Deadline) -> RecvTransfer:
-        """Join the descriptor's pair group and post the receives (a worker thread). If the
-        caller gives up meanwhile, a receive that still starts is cancelled at once."""
+        """Join the descriptor's pair group and post the receives (a worker thread), by the
+        transfer's deadline. If the caller gives up meanwhile, or the deadline passes, a
+        receive that still starts is cancelled at once."""
         future = asyncio.get_running_loop().run_in_executor(
             self._executor, self._receiver.start_recv, handoff.descriptor, deadline
         )
         try:
-            return await asyncio.shield(future)
+            return await asyncio.wait_for(asyncio.shield(future), deadline.remaining())
+        except TimeoutError:
+            future.add_done_callback(_cancel_orphan)
+            late = "receives not posted by the transfer deadline"
+            raise TransferFailed(late, field="descriptor") from None
         except asyncio.CancelledError:
             future.add_done_callback(_cancel_orphan)
             raise

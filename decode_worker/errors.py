@@ -11,6 +11,7 @@ one mapping in `services.rpc.errors` turns it into a status code at the RPC edge
 | `TransferFailed`     | UNAVAILABLE         | receive failed, timed out, or verification could not run |
 | `RecallAborted`      | UNAVAILABLE         | a recall's rows did not come back and the manifest says `fail_request` |
 | `CapacityExhausted`  | RESOURCE_EXHAUSTED  | KV byte budget or pair-group slots are used up        |
+| `NonFiniteDecode`    | INTERNAL            | the request's own logits were not finite; it failed alone, its batch went on |
 """
 
 from __future__ import annotations
@@ -77,3 +78,9 @@ class RecallAborted(rpc_errors.Unavailable, DecodeWorkerError):
 
 class CapacityExhausted(rpc_errors.ResourceExhausted, DecodeWorkerError):
     """The KV byte budget (or the pair-group slots) cannot hold another transfer now."""
+
+
+class NonFiniteDecode(rpc_errors.Internal, DecodeWorkerError):
+    """The request's own logits came out NaN or +inf (its KV or its computation went wrong, never
+    its sampling values: every admitted one is safe). It ends alone, naming itself, and its
+    batch goes on; tokens already streamed stay valid. Retrying elsewhere would compute the same."""

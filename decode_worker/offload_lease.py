@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.rpc.kvrelay.v1 import offload_pb2, offload_pb2_grpc
-from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class OffloadChannels:
     def stub(self, address: str) -> offload_pb2_grpc.OffloadServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options(self._max_message_bytes))
+            channel = grpc.aio.insecure_channel(address, options=client_channel_options(self._max_message_bytes))
             self._channels[address] = channel
         return offload_pb2_grpc.OffloadServiceStub(channel)
 

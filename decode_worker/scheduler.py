@@ -31,6 +31,13 @@ Each request's steps are traced in its own trace (`DecodeRequest.trace_parent`, 
 worker's transfer.send) as `decode.step` spans of up to `trace_steps_per_span` steps each:
 trace volume grows with steps / N, not with every token of every request in the batch.
 
+One request's numbers never fail another's: a request whose logits row is not finite (NaN or
++inf: its own KV or its own computation went wrong; every sampling value the validator admits
+is safe, `services.model.sampler`) ends alone with `DecodeFailed(non_finite=True)`, which its
+stream turns into `NonFiniteDecode` (INTERNAL, naming the request), while the rest of the
+batch samples and goes on; an unexpected error in one batch's step fails that batch only, and
+one in admitting a request fails that request only.
+
 Memory is governed by the `KVBudget`: a transfer is accepted only if its reservation (the
 view's rows plus the rows its decode can append, `reservation_bytes`) fits, and the bytes
 return when the request finishes, fails or is cancelled. Sinks are called from the loop
@@ -64,6 +71,7 @@ from services.model import (
     sample,
 )
 from services.model.errors import ModelError
+from services.model.sampler import finite_rows
 from services.offload.recall import RecallOutcome, RecallSession, RecallStatus, decode_with_recall
 from services.telemetry import metrics
 from services.telemetry.spans import record_span, start_span
@@ -103,10 +111,12 @@ class DecodeFinished:
 @dataclass(frozen=True)
 class DecodeFailed:
     """The request could not be decoded; its KV is released. `recall` is the recall outcome
-    that ended it (the manifest said `fail_request`, or its successor state was rejected)."""
+    that ended it (the manifest said `fail_request`, or its successor state was rejected);
+    `non_finite`: its own logits were not finite, and it failed alone (its batch went on)."""
 
     message: str
     recall: RecallOutcome | None = None
+    non_finite: bool = False
 
 
 DecodeEvent = TokenOut | DecodeFinished | DecodeFailed
@@ -313,15 +323,37 @@ class DecodeScheduler:
                 for request_id in cancelled:
                     self._cancel_running(request_id)
                 for request in admitted:
-                    self._admit(request)
+                    self._admit_alone(request)
                 for owner_map, cache in list(self._caches.items()):
                     if cache.batch_size:
-                        self._step(owner_map, cache)
-            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
+                        self._step_alone(owner_map, cache)
+            except Exception as exc:  # noqa: BLE001 - last resort: the loop must outlive anything
                 log.exception("decode loop iteration failed")
                 for request_id in list(self._running):
                     self._fail(request_id, f"decode loop failed: {exc}")
         self._shutdown()
+
+    def _admit_alone(self, request: DecodeRequest) -> None:
+        """Admit one request; an unexpected error fails it, and no other."""
+        try:
+            self._admit(request)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive any one request
+            log.exception("admitting request %s failed", request.request_id)
+            # A slot under this id that no running request owns is this request's, half written.
+            cache = self._caches.get(request.owner_to_kv_head)
+            orphan = cache is not None and request.request_id in cache.request_ids
+            if orphan and request.request_id not in self._running and cache is not None:
+                cache.release(request.request_id)
+            self._release(request, DecodeFailed(f"cannot admit the view: {exc}"))
+
+    def _step_alone(self, owner_map: OwnerMap, cache: DecodeCache) -> None:
+        """Step one batch; an unexpected error fails that batch's requests, and no other's."""
+        try:
+            self._step(owner_map, cache)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
+            log.exception("decode step of a batch of %d failed", cache.batch_size)
+            for request_id in list(cache.request_ids):
+                self._fail(request_id, f"decode step failed: {exc}")
 
     def _next_work(self) -> tuple[list[DecodeRequest], list[str]] | None:
         """Wait until there is something to do; take cancellations and the requests that fit."""
@@ -371,18 +403,39 @@ class DecodeScheduler:
         for running in batch:
             self._trace_step(running, len(batch))
         logits, failed = self._forward(cache, batch)  # [B, V]
-        tokens = sample(logits, [r.request.sampling for r in batch], [r.generated for r in batch])  # [B]
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]  # [B]
-        metrics.DECODE_TOKENS.inc(len(batch) - len(failed))
-        now = time.monotonic()
-        for running, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+        sound = finite_rows(logits).tolist()  # [B]
+        live = []
+        for index, running in enumerate(batch):
             outcome = failed.get(running.request.request_id)
             if outcome is not None:
                 self._fail(running.request.request_id, f"recall failed: {outcome.reason}", outcome)
-                continue
+            elif not sound[index]:
+                self._fail_non_finite(running)
+            else:
+                live.append(index)
+        if live:
+            self._emit([batch[i] for i in live], logits[live])
+
+    def _emit(self, batch: list[_Running], logits: torch.Tensor) -> None:
+        """Sample one token per request from its sound logits row `[B, V]` and hand it on."""
+        tokens = sample(logits, [r.request.sampling for r in batch], [r.generated for r in batch])  # [B]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]  # [B]
+        metrics.DECODE_TOKENS.inc(len(batch))
+        now = time.monotonic()
+        for running, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
             self._advance(running, int(token), float(logprob), now)
             if running.span_steps >= self.config.trace_steps_per_span:
                 self._end_step_span(running)
+
+    def _fail_non_finite(self, running: _Running) -> None:
+        """End a request whose own logits row is not finite; the rest of its batch goes on."""
+        request = running.request
+        metrics.DECODE_NON_FINITE.inc()
+        message = (f"request {request.request_id} (request generation {request.request_generation}): "
+                   f"the logits of output token {running.generated} are not finite (NaN or +inf); "
+                   "it failed alone")
+        log.warning("%s", message)
+        self._fail(request.request_id, message, non_finite=True)
 
     def _forward(self, cache: DecodeCache, batch: list[_Running]) -> tuple[torch.Tensor, dict[str, RecallOutcome]]:
         """One batched step: plain, or through the recall engine when a request has a session.
@@ -474,12 +527,13 @@ class DecodeScheduler:
         if running is not None:
             self._finish(running, FINISH_CANCELLED)
 
-    def _fail(self, request_id: str, message: str, recall: RecallOutcome | None = None) -> None:
+    def _fail(self, request_id: str, message: str, recall: RecallOutcome | None = None, *,
+              non_finite: bool = False) -> None:
         running = self._running.get(request_id)
         if running is not None:
             self._end_step_span(running, error=message)
             self._drop(request_id)
-            self._release(running.request, DecodeFailed(message, recall))
+            self._release(running.request, DecodeFailed(message, recall, non_finite))
 
     def _drop(self, request_id: str) -> None:
         running = self._running.pop(request_id)

@@ -6,8 +6,9 @@
                     complete), then token 0 (sampled by the prefill worker, from the
                     handoff), every decoded token, and one summary
 
-A decode that fails ends the stream with its error (`failure`); tokens already streamed stay
-valid. Ending the request at the policy service is the gateway's (DESIGN §2 step 13).
+A decode that fails ends the stream with its error (`failure`): INTERNAL naming the request
+when its own logits were not finite, UNAVAILABLE when the loop dropped it; tokens already
+streamed stay valid. Ending the request at the policy service is the gateway's (DESIGN §2 step 13).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 from decode_worker.admit import Decoding
 from decode_worker.errors import (
     DuplicateTransfer,
+    NonFiniteDecode,
     RecallAborted,
     StaleTransfer,
     TransferFailed,
@@ -117,9 +119,12 @@ def summary(transfer: Transfer, finished: DecodeFinished) -> decode_pb2.DecodeSu
 
 
 def failure(decoding: Decoding, failed: DecodeFailed) -> ServiceError:
-    """The error a failed decode ends its stream with: a recall that could not bring rows
-    back under `fail_request` (RecallAborted), a recall whose successor state the fence
-    refused (StaleTransfer), or anything else (DecodeAborted)."""
+    """The error a failed decode ends its stream with: its own logits were not finite
+    (NonFiniteDecode, INTERNAL), a recall that could not bring rows back under `fail_request`
+    (RecallAborted), a recall whose successor state the fence refused (StaleTransfer), or
+    anything else (DecodeAborted)."""
+    if failed.non_finite:
+        return NonFiniteDecode(failed.message, field="logits")
     outcome = failed.recall
     if outcome is None:
         return DecodeAborted(failed.message)

@@ -166,7 +166,7 @@ class DirectPublisher:
 async def policy_service_process(redis_url: str, key_prefix: str) -> AsyncIterator[str]:
     """`kvrelay serve policy` in its own process; yields its address once it is SERVING."""
     port = free_loopback_port()
-    command = [sys.executable, "-m", "services.cli", "serve", "policy", "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "kvrelay", "serve", "policy", "--host", "127.0.0.1",
                "--port", str(port), "--key-prefix", key_prefix]
     env = {**os.environ, "REDIS_URL": redis_url}  # not on the command line: it holds the password
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)

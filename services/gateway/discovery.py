@@ -6,6 +6,8 @@ A `WorkerPool` re-resolves it every `resolve_interval_s`, asks every endpoint's 
 service every `health_interval_s`, and lends endpoints out: `pick` (pure) chooses the healthy
 worker with the fewest outstanding requests; ties go to the one picked least recently, then to
 listing order. A worker whose call failed is skipped until its next passing health check.
+A pool may cap each worker's outstanding requests (`max_outstanding`): while every healthy
+worker is at the cap, a lease waits its turn (`services.gateway.admission`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.admission import WaitQueue
 from services.rpc.errors import Unavailable
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
@@ -126,11 +129,15 @@ class Candidate:
     last_pick: int
 
 
-def pick(candidates: Sequence[Candidate], avoid: frozenset[str] = frozenset()) -> str | None:
-    """The healthy worker with the fewest outstanding requests, preferring workers not in
-    `avoid` (a retry avoids the worker that just failed, but falls back to it when it is the
-    only healthy one). Ties: least recently picked, then listing order. None if none is healthy."""
-    healthy = [c for c in candidates if c.healthy]
+def pick(
+    candidates: Sequence[Candidate], avoid: frozenset[str] = frozenset(), max_outstanding: int | None = None
+) -> str | None:
+    """The healthy worker with the fewest outstanding requests (fewer than `max_outstanding`,
+    if given), preferring workers not in `avoid` (a retry avoids the worker that just failed,
+    but falls back to it when it is the only one). Ties: least recently picked, then listing
+    order. None if no healthy worker has room."""
+    cap = max_outstanding
+    healthy = [c for c in candidates if c.healthy and (cap is None or c.outstanding < cap)]
     preferred = [c for c in healthy if c.address not in avoid] or healthy
     if not preferred:
         return None
@@ -164,7 +171,9 @@ class Endpoint:
 
 class WorkerPool:
     """The live set of one role's workers (e.g. role "decode", service
-    "kvrelay.v1.DecodeWorker"). `start()` resolves and checks once before returning."""
+    "kvrelay.v1.DecodeWorker"). `start()` resolves and checks once before returning.
+    `max_outstanding` caps each worker's leases (None: no cap); at most `max_waiting` leases
+    wait for room."""
 
     def __init__(
         self,
@@ -175,20 +184,31 @@ class WorkerPool:
         *,
         resolver: Resolver = resolve_dns,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_outstanding: int | None = None,
+        max_waiting: int = 1024,
     ) -> None:
+        if max_outstanding is not None and max_outstanding < 1:
+            raise ValueError(f"max_outstanding: {max_outstanding} must be >= 1 (or None)")
         self.role = role
         self.service = service
         self.source = source
         self.config = config
+        self.max_outstanding = max_outstanding
         self._resolver = resolver
         self._max_message_bytes = max_message_bytes
         self._endpoints: dict[str, Endpoint] = {}
+        self._queue: WaitQueue[Endpoint] = WaitQueue(max_waiting)
         self._picks = 0
         self._resolved_at = float("-inf")
         self._task: asyncio.Task[None] | None = None
 
     def candidates(self) -> list[Candidate]:
         return [endpoint.candidate() for endpoint in self._endpoints.values()]
+
+    @property
+    def waiting(self) -> int:
+        """Leases waiting for a worker with room."""
+        return self._queue.waiting
 
     async def start(self) -> None:
         await self.refresh()
@@ -212,6 +232,7 @@ class WorkerPool:
         for endpoint, healthy in zip(endpoints, results, strict=True):
             if healthy != endpoint.healthy:
                 log.info("%s worker %s is %s", self.role, endpoint.address, "healthy" if healthy else "unhealthy")
+                self._queue.notify()  # a waiter may now find room, or learn that none is healthy
             endpoint.healthy = healthy
 
     async def check_any_healthy(self) -> str | None:
@@ -226,27 +247,42 @@ class WorkerPool:
         if endpoint is not None and endpoint.healthy:
             log.warning("%s worker %s failed a call; skipping it until it passes a health check", self.role, address)
             endpoint.healthy = False
+            self._queue.notify()
 
     @contextlib.asynccontextmanager
-    async def lease(self, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Endpoint]:
-        """Lend the best worker for one request (counted as outstanding until the block exits).
-        With none healthy, one immediate health round runs before NoHealthyWorker."""
-        address = pick(self.candidates(), avoid)
-        if address is None:
+    async def lease(self, avoid: frozenset[str] = frozenset(), wait_s: float = 0.0) -> AsyncIterator[Endpoint]:
+        """Lend the best worker with room for one request (outstanding until the block exits).
+        With none healthy, one immediate health round runs before NoHealthyWorker; while every
+        healthy one is at `max_outstanding`, the lease waits its turn up to `wait_s` (then
+        WorkersBusy)."""
+        if not any(c.healthy for c in self.candidates()):
             await self.refresh()
-            address = pick(self.candidates(), avoid)
-        if address is None:
-            raise NoHealthyWorker(f"no healthy {self.role} worker among {self.source}")
-        endpoint = self._endpoints[address]
-        self._picks += 1
-        endpoint.outstanding += 1
-        endpoint.last_pick = self._picks
+        endpoint = await self._queue.take(lambda: self._take(avoid), wait_s, self._busy)
         try:
             yield endpoint
         finally:
             endpoint.outstanding -= 1
+            self._queue.notify()
             if endpoint.retired and endpoint.outstanding == 0:
                 await endpoint.channel.close()
+
+    def _take(self, avoid: frozenset[str]) -> Endpoint | None:
+        candidates = self.candidates()
+        if not any(c.healthy for c in candidates):
+            raise NoHealthyWorker(f"no healthy {self.role} worker among {self.source}")
+        address = pick(candidates, avoid, self.max_outstanding)
+        if address is None:
+            return None
+        endpoint = self._endpoints[address]
+        self._picks += 1
+        endpoint.outstanding += 1
+        endpoint.last_pick = self._picks
+        return endpoint
+
+    def _busy(self) -> str:
+        healthy = sum(c.healthy for c in self.candidates())
+        cap = self.max_outstanding
+        return f"all {healthy} healthy {self.role} workers had {cap} requests outstanding"
 
     async def _run(self) -> None:
         while True:

@@ -4,13 +4,14 @@ A worker's own typed failure (INVALID_ARGUMENT, FAILED_PRECONDITION with the cur
 RESOURCE_EXHAUSTED, ...) is relayed with its status code and `ErrorDetail` unchanged; the
 message gains the worker that said it. A failure before the first token reaches the client
 is a `WorkerFailed`: the orchestrator may retry it on other workers, or relay its error.
+A request id already streaming through this gateway is refused (`RequestInFlight`).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from services.rpc.errors import ServiceError, Unavailable, error_detail
+from services.rpc.errors import AlreadyExists, ServiceError, Unavailable, error_detail
 from services.rpc.kvrelay.v1 import common_pb2
 
 
@@ -42,11 +43,22 @@ class WorkerFailed(Exception):
     """A worker failed before the first token reached the client.
 
     `prefill` / `decode` name the worker to avoid on a retry (empty when not to blame);
-    `error` is what the client gets when no retry is left.
+    `error` is what the client gets when no retry is left. `busy`: the worker refused for
+    lack of room (RESOURCE_EXHAUSTED) and did nothing, so trying again later costs no retry.
     """
 
-    def __init__(self, error: ServiceError, *, prefill: str = "", decode: str = "") -> None:
+    def __init__(
+        self, error: ServiceError, *, prefill: str = "", decode: str = "", busy: bool = False
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.prefill = prefill
         self.decode = decode
+        self.busy = busy
+
+
+class RequestInFlight(AlreadyExists):
+    """A Generate named a request id whose stream is still open on this gateway; beginning it
+    again would fence that stream out, so the newcomer is refused instead."""
+
+    reason = common_pb2.ERROR_REASON_REQUEST_INVALID

@@ -12,6 +12,23 @@ with UNAVAILABLE; the tokens already sent stay valid. A client cancel cancels bo
 calls and ends the request in the policy service, so a decode worker that has not yet
 verified the transfer rejects it and frees its reservation.
 
+Admission: the pools cap how many requests each decode worker (for the whole stream) and
+each prefill worker (for its Prefill call) has outstanding; beyond that a request waits its
+turn at the gateway, first for a decode worker, then for a prefill worker, for up to
+`admission_s` in all (or the client's own deadline, if sooner). So a burst waits here, before
+any KV is computed or reserved, rather than in the workers' own short queues. A prefill
+worker that still answers RESOURCE_EXHAUSTED (its queue is shared with other gateways) is
+tried again after a jittered backoff, preferring another worker, until that same admission
+deadline — without using up a retry; only then does the client see RESOURCE_EXHAUSTED.
+
+Deadlines: every wait has one — the admission wait, each policy call, the Prefill call, the
+decode worker's first event and every later one. A stopped worker that never answers ends
+the request with UNAVAILABLE naming it (retried if no token was sent), and it is skipped
+until it passes a health check again.
+
+A request id is claimed for as long as its stream is open on this gateway: a second Generate
+with it is refused with ALREADY_EXISTS rather than fencing the first out.
+
 EndRequest is the gateway's alone (DESIGN §2 step 13): every request that began ends here,
 finished, failed or cancelled, with the last request generation it began; workers only
 publish states (the decode worker, recall successors).
@@ -21,8 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import random
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,12 +48,13 @@ import grpc
 
 from services.gateway.detokenize import IncrementalDetokenizer
 from services.gateway.discovery import Endpoint, WorkerPool
-from services.gateway.errors import WorkerFailed, relay
+from services.gateway.errors import RequestInFlight, WorkerFailed, relay
 from services.gateway.policies import ManifestResolver
 from services.gateway.summary import Route, TokenClock, build_summary
 from services.gateway.validation import GenerationInput
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import PolicyClient, PolicyError
+from services.policy.client import backoff_delay
 from services.rpc.errors import ServiceError, Unavailable, error_detail
 from services.rpc.kvrelay.v1 import (
     common_pb2,
@@ -56,18 +75,21 @@ DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_nam
 _PREFILL_RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
+# Backoff before asking a busy prefill worker again (full jitter, doubling up to the cap).
+_BUSY_BACKOFF_S = (0.05, 1.0)
 
 
 @dataclass(frozen=True)
 class Deadlines:
     """Seconds each step may take: the whole prefill call (prefill, publish, transfer), the
-    decode worker's first event (its verification comes first), each later event, and each
-    policy service call."""
+    decode worker's first event (its verification comes first), each later event, each
+    policy service call, and the wait for workers with room (all waits of a request together)."""
 
     prefill_s: float
     first_event_s: float
     event_s: float
     policy_s: float
+    admission_s: float = 120.0
 
 
 class Orchestrator:
@@ -82,6 +104,7 @@ class Orchestrator:
         decode_text: Callable[[Sequence[int]], str],
         deadlines: Deadlines,
         max_retries: int,
+        rng: random.Random | None = None,
     ) -> None:
         self.policy = policy
         self.resolver = resolver
@@ -90,34 +113,69 @@ class Orchestrator:
         self.decode_text = decode_text
         self.deadlines = deadlines
         self.max_retries = max_retries
+        self._rng = rng or random.Random()
         self._background: set[asyncio.Task[None]] = set()
+        self._in_flight: set[str] = set()
 
-    async def generate(self, request: GenerationInput) -> AsyncIterator[gateway_pb2.GenerateEvent]:
-        """Token events, then one summary. Raises a ServiceError (mapped at the edge)."""
+    async def generate(
+        self, request: GenerationInput, time_remaining_s: float | None = None
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        """Token events, then one summary. Raises a ServiceError (mapped at the edge).
+        `time_remaining_s` is the client's deadline, if it set one: no wait outlasts it."""
+        if request.request_id in self._in_flight:
+            raise RequestInFlight(f"request {request.request_id} is still streaming on this gateway; "
+                                  "choose a new request_id", field="request_id")
+        self._in_flight.add(request.request_id)
+        try:
+            wait_s = self.deadlines.admission_s
+            if time_remaining_s is not None:
+                wait_s = min(wait_s, time_remaining_s)
+            async for event in self._generate(request, time.monotonic() + wait_s):
+                yield event
+        finally:
+            self._in_flight.discard(request.request_id)
+
+    async def _generate(
+        self, request: GenerationInput, admit_by: float
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         clock = TokenClock()
         manifest = await self.resolver.resolve(request.manifest)
         avoid_prefill: frozenset[str] = frozenset()
         avoid_decode: frozenset[str] = frozenset()
-        generation = 0
+        generation = failures = busy_rounds = 0
         try:
-            for attempt in itertools.count():
+            while True:
                 fence = await self.policy.begin_request(request.request_id, timeout_s=self.deadlines.policy_s)
                 generation = fence.request_generation
                 try:
-                    async for event in self._attempt(request, manifest, generation, clock, avoid_prefill, avoid_decode):
+                    async for event in self._attempt(request, manifest, generation, clock, avoid_prefill,
+                                                     avoid_decode, admit_by):
                         yield event
                     return
                 except WorkerFailed as failure:
-                    if attempt >= self.max_retries:
+                    avoid_prefill |= {failure.prefill} - {""}
+                    avoid_decode |= {failure.decode} - {""}
+                    if failure.busy:
+                        await self._back_off(failure, admit_by, busy_rounds)
+                        busy_rounds += 1
+                        continue
+                    if failures >= self.max_retries:
                         raise failure.error from failure
+                    failures += 1
                     log.warning("request %s (g_r %d) failed before its first token, retrying: %s",
                                 request.request_id, generation, failure)
                     metrics.GATEWAY_RETRIES.inc()
-                    avoid_prefill |= {failure.prefill} - {""}
-                    avoid_decode |= {failure.decode} - {""}
         finally:
             if generation:
                 self._end_later(request.request_id, generation)
+
+    async def _back_off(self, failure: WorkerFailed, admit_by: float, rounds: int) -> None:
+        """Wait before asking again after a worker said it had no room; its error once the
+        admission deadline leaves no time to ask again."""
+        left = _left(admit_by)
+        if left <= 0:
+            raise failure.error from failure
+        await asyncio.sleep(min(left, backoff_delay(rounds, *_BUSY_BACKOFF_S, self._rng)))
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Let pending EndRequest calls finish (bounded)."""
@@ -132,9 +190,11 @@ class Orchestrator:
         clock: TokenClock,
         avoid_prefill: frozenset[str],
         avoid_decode: frozenset[str],
+        admit_by: float,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
-        async with self.prefill.lease(avoid_prefill) as prefill, self.decode.lease(avoid_decode) as decode:
-            prefilled = await self._prefill(request, manifest, generation, prefill, decode)
+        async with self.decode.lease(avoid_decode, _left(admit_by)) as decode:
+            async with self.prefill.lease(avoid_prefill, _left(admit_by)) as prefill:
+                prefilled = await self._prefill(request, manifest, generation, prefill, decode)
             route = Route(request.request_id, manifest.sha256, len(request.prompt_ids), prefill.address, decode.address)
             async for event in self._stream(request, generation, prefilled, route, decode, clock):
                 yield event
@@ -173,10 +233,11 @@ class Orchestrator:
         if detail is None:  # the prefill worker itself is unreachable or did not answer in time
             self.prefill.mark_failed(prefill.address)
             return WorkerFailed(error, prefill=prefill.address, decode=decode.address)
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its own queue is full
+            return WorkerFailed(error, prefill=prefill.address, busy=True)
         if detail.reason == common_pb2.ERROR_REASON_TRANSFER_FAILED:
             self.decode.mark_failed(decode.address)
-        blame_prefill = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        return WorkerFailed(error, prefill=prefill.address if blame_prefill else "", decode=decode.address)
+        return WorkerFailed(error, decode=decode.address)
 
     async def _stream(
         self,
@@ -211,8 +272,10 @@ class Orchestrator:
         error: ServiceError
         try:
             event = await asyncio.wait_for(call.read(), timeout_s)
-        except TimeoutError:
-            error = Unavailable(f"{where}: no event within {timeout_s:g} s")
+        except TimeoutError:  # e.g. a stopped worker: skip it until it answers a health check
+            which = "token" if clock.tokens else "first event"
+            error = Unavailable(f"{where}: no {which} within {timeout_s:g} s")
+            self.decode.mark_failed(decode.address)
         except grpc.aio.AioRpcError as exc:
             error = relay(exc, where)
             if error_detail(exc) is None:
@@ -235,6 +298,10 @@ class Orchestrator:
     async def _end(self, request_id: str, generation: int) -> None:
         with contextlib.suppress(PolicyError):
             await self.policy.end_request(request_id, generation, timeout_s=self.deadlines.policy_s)
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 def _forward(token: common_pb2.TokenEvent, detokenizer: IncrementalDetokenizer | None) -> common_pb2.TokenEvent:

@@ -6,7 +6,9 @@ registration is idempotent (identical bytes are a no-op), and a different manife
 default name stops start-up with the policy named. `ManifestResolver` turns a client's
 choice (name and generation, or sha256, or nothing = the default policy) into a stored
 manifest that fits the served tensor contract (`services.kvpolicy.fit`, the check the
-workers repeat); an unknown or unfit one is INVALID_ARGUMENT. Lookups go through the shared
+workers repeat); an unknown or unfit one is INVALID_ARGUMENT. A name without a generation
+resolves to its newest generation that fits, so a newer registration this deployment cannot
+run leaves the name serving the generation before it. Lookups go through the shared
 `services.policy.manifests.ManifestCache`: by sha cached forever, by name for a short TTL.
 """
 
@@ -80,7 +82,8 @@ class ManifestResolver:
         # that worker's check (the same one).
         self.deployment = Deployment(served)
         self.default_policy = default_policy
-        self.manifests = ManifestCache(client, name_ttl_s=name_ttl_s, timeout_s=timeout_s, clock=clock)
+        self.manifests = ManifestCache(client, deployment=self.deployment, name_ttl_s=name_ttl_s,
+                                       timeout_s=timeout_s, clock=clock)
 
     async def resolve(self, choice: ManifestChoice) -> KVVisibilityPolicyManifest:
         """INVALID_ARGUMENT naming the choice's field for an unknown or unfit manifest."""
@@ -93,6 +96,8 @@ class ManifestResolver:
         except NotFound as exc:
             wrong = "manifest.by_name.policy_generation" if exc.field == "policy_generation" else field
             raise InvalidArgument(exc.message, field=wrong) from None
+        except ManifestUnfit as exc:
+            raise InvalidArgument(_unfit(name, exc), field=field) from None
         return await self._fitting(ref.sha256, field)
 
     async def _fitting(self, sha256: str, field: str) -> KVVisibilityPolicyManifest:
@@ -103,6 +108,9 @@ class ManifestResolver:
         try:
             check_fits(manifest, self.deployment)
         except ManifestUnfit as exc:
-            problem = f"policy {manifest.name!r} does not fit this deployment: {exc.field} {exc.reason}"
-            raise InvalidArgument(problem, field=field) from None
+            raise InvalidArgument(_unfit(manifest.name, exc), field=field) from None
         return manifest
+
+
+def _unfit(name: str, exc: ManifestUnfit) -> str:
+    return f"policy {name!r} does not fit this deployment: {exc.field} {exc.reason}"

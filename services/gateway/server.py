@@ -3,8 +3,8 @@ length, tensor contract; no weights), the default manifests, worker discovery, g
 
 `GatewayServer.start(config)` returns a serving instance; its gRPC health reports SERVING
 while the policy service serves and each role has a healthy worker. `stop()` drains gRPC and
-closes the pools and the policy client. `serve(config)` runs until SIGINT/SIGTERM (what
-`kvrelay serve gateway` calls).
+closes the pools, the tokenizer threads and the policy client. `serve(config)` runs until
+SIGINT/SIGTERM (what `kvrelay serve gateway` calls).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.discovery import WorkerPool
 from services.gateway.orchestrator import DECODE_SERVICE, PREFILL_SERVICE, Deadlines, Orchestrator
 from services.gateway.policies import ManifestResolver, register_defaults
+from services.gateway.prompts import PromptValidator
 from services.gateway.service import SERVICE_NAME, GatewayServicer
 from services.gateway.validation import RequestLimits
 from services.kvpolicy.manifest import TensorContract
@@ -67,12 +68,13 @@ class GatewayServer:
     """A running gateway."""
 
     def __init__(self, config: GatewayConfig, rpc: RpcServer, policy: PolicyClient,
-                 pools: tuple[WorkerPool, WorkerPool], orchestrator: Orchestrator) -> None:
+                 pools: tuple[WorkerPool, WorkerPool], orchestrator: Orchestrator, prompts: PromptValidator) -> None:
         self.config = config
         self.rpc = rpc
         self.policy = policy
         self.prefill_pool, self.decode_pool = pools
         self.orchestrator = orchestrator
+        self.prompts = prompts
 
     @property
     def address(self) -> str:
@@ -84,10 +86,14 @@ class GatewayServer:
         policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s))
         pools = (
             WorkerPool("prefill", PREFILL_SERVICE, config.prefill_workers, config.discovery,
-                       max_message_bytes=config.server.max_message_bytes),
+                       max_message_bytes=config.server.max_message_bytes,
+                       max_outstanding=config.prefill_max_outstanding, max_waiting=config.admission_max_waiting),
             WorkerPool("decode", DECODE_SERVICE, config.decode_workers, config.discovery,
-                       max_message_bytes=config.server.max_message_bytes),
+                       max_message_bytes=config.server.max_message_bytes,
+                       max_outstanding=config.decode_max_outstanding, max_waiting=config.admission_max_waiting),
         )
+        prompts = PromptValidator(served.limits(config), served.tokenizer, config.tokenizer_threads,
+                                  config.tokenizer_max_waiting)
         try:
             if config.register_default_manifests:
                 await _register_when_reachable(policy, served.contract, config.startup_timeout_s)
@@ -100,20 +106,21 @@ class GatewayServer:
                 *pools,
                 decode_text=lambda ids: served.tokenizer.decode(list(ids)),
                 deadlines=Deadlines(config.prefill_timeout_s, config.first_event_timeout_s,
-                                    config.event_timeout_s, config.policy_timeout_s),
+                                    config.event_timeout_s, config.policy_timeout_s, config.admission_timeout_s),
                 max_retries=config.max_retries,
             )
-            servicer = GatewayServicer(served.limits(config), served.tokenizer, orchestrator)
+            servicer = GatewayServicer(prompts, orchestrator)
             binding = ServiceBinding(SERVICE_NAME, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
             rpc = await start_server(config.server, [binding], readiness_checks(policy, *pools))
         except BaseException:
             for pool in pools:
                 await pool.close()
             await policy.close()
+            prompts.close()
             raise
         log.info("gateway on %s: prefill %s, decode %s, policy %s", rpc.address, config.prefill_workers,
                  config.decode_workers, config.policy_address)
-        return cls(config, rpc, policy, pools, orchestrator)
+        return cls(config, rpc, policy, pools, orchestrator, prompts)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain gRPC, finish pending EndRequest calls, close pools and the policy client."""
@@ -122,6 +129,7 @@ class GatewayServer:
         await self.prefill_pool.close()
         await self.decode_pool.close()
         await self.policy.close()
+        self.prompts.close()
 
 
 def readiness_checks(policy: PolicyClient, prefill: WorkerPool, decode: WorkerPool) -> list[ReadinessCheck]:

@@ -1,9 +1,10 @@
 """The Gateway servicer: a thin adapter from the wire request to the orchestrator.
 
 `Generate` validates every field first (INVALID_ARGUMENT naming it; a text prompt is
-tokenized and a chat rendered with the checkpoint's template), then streams what the
-orchestrator yields; typed errors become status codes in `services.rpc.errors`. The call's
-server span is the root of the request's trace: it carries the request id and the summary
+tokenized and a chat rendered with the checkpoint's template, a big one on a tokenizer
+thread), then streams what the orchestrator yields (within the client's deadline, if it set
+one); typed errors become status codes in `services.rpc.errors`. The call's server span is
+the root of the request's trace: it carries the request id and the summary
 (whose `trace_id` names the trace to open in Jaeger), and TTFT/TPOT land in the metrics.
 """
 
@@ -16,7 +17,7 @@ import grpc
 from opentelemetry import trace
 
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.validation import PromptTokenizer, RequestLimits, validate_request
+from services.gateway.prompts import PromptValidator
 from services.rpc.errors import maps_errors
 from services.rpc.kvrelay.v1 import gateway_pb2, gateway_pb2_grpc
 from services.telemetry import metrics
@@ -30,21 +31,18 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Implements kvrelay.v1.Gateway."""
 
-    def __init__(
-        self, limits: RequestLimits, tokenizer: PromptTokenizer, orchestrator: Orchestrator
-    ) -> None:
-        self.limits = limits
-        self.tokenizer = tokenizer
+    def __init__(self, prompts: PromptValidator, orchestrator: Orchestrator) -> None:
+        self.prompts = prompts
         self.orchestrator = orchestrator
 
     @maps_errors
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
-        generation = validate_request(request, self.limits, self.tokenizer)
+        generation = await self.prompts.validate(request)
         annotate(request_id=generation.request_id, prompt_tokens=len(generation.prompt_ids))
         with bound_request_id(generation.request_id), metrics.GATEWAY_IN_FLIGHT.track_inprogress():
-            async for event in self.orchestrator.generate(generation):
+            async for event in self.orchestrator.generate(generation, context.time_remaining()):
                 if event.HasField("summary"):
                     _record_summary(event.summary)
                 yield event

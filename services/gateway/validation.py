@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from services.echo import echo
+from services.kvpolicy.manifest import MAX_NAME_CHARS, is_policy_name
 from services.policy.types import MAX_GENERATION, check_request_id
 from services.rpc.errors import InvalidArgument, ServiceError, reject_unknown_fields
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2
@@ -28,11 +30,11 @@ if TYPE_CHECKING:
     from services.model.sampler import SamplingParams
     from services.model.tokenizer import ChatMessage
 
-# The manifest name rule of services.kvpolicy.manifest.
-_POLICY_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-# Text is rejected before tokenizing when it could not fit even at this many characters per token.
+# Text is rejected before tokenizing when it could not fit even at this many characters, or
+# UTF-8 bytes, per token (SmolLM2's longest token is 81 bytes, its typical one 4).
 _MAX_CHARS_PER_TOKEN = 64
+_MAX_BYTES_PER_TOKEN = 64
 
 
 class PromptTokenizer(Protocol):
@@ -144,18 +146,32 @@ def _prompt(
         ids, field = tuple(request.token_ids.ids), "token_ids.ids"
         if not ids:
             raise InvalidArgument("must not be empty", field=field)
+        _check_length(len(ids), limits, field)  # before a per-id loop over a huge list
         _check_token_ids(ids, limits.vocab_size, field)
-    if len(ids) > limits.max_prompt_tokens:
-        raise InvalidArgument(
-            f"{len(ids)} tokens exceeds the model maximum of {limits.max_prompt_tokens}", field=field
-        )
+    _check_length(len(ids), limits, field)
     return ids
+
+
+def check_prompt_size(request: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Refuse a prompt too large to fit `limits.max_prompt_tokens` whatever its tokenization
+    (characters and UTF-8 bytes per token; token ids by count), naming its field. Cheap, and
+    done again by `validate_request`: the gateway calls it before handing a big prompt to a
+    tokenizer thread."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        _check_size((request.text,), limits, "text")
+    elif kind == "chat":
+        # Over the message limit, `validate_request` refuses the count; only that many are summed.
+        contents = [m.content for m in request.chat.messages[: limits.max_chat_messages + 1]]
+        _check_size(contents, limits, "chat.messages")
+    elif kind == "token_ids":
+        _check_length(len(request.token_ids.ids), limits, "token_ids.ids")
 
 
 def _encode_text(text: str, limits: RequestLimits, tokenizer: PromptTokenizer) -> tuple[int, ...]:
     if not text.strip():
         raise InvalidArgument("must not be empty", field="text")
-    _check_characters(len(text), limits, "text")
+    _check_size((text,), limits, "text")
     return tuple(tokenizer.encode(text))
 
 
@@ -195,17 +211,31 @@ def _chat_messages(
                                   field=f"{field}[{index}].role")
         if not message.content.strip():
             raise InvalidArgument("must not be empty", field=f"{field}[{index}].content")
-    _check_characters(sum(len(message.content) for message in chat.messages), limits, field)
+    _check_size([message.content for message in chat.messages], limits, field)
     return tuple(ChatMessage(message.role, message.content) for message in chat.messages)
 
 
-def _check_characters(characters: int, limits: RequestLimits, field: str) -> None:
+def _check_size(texts: Sequence[str], limits: RequestLimits, field: str) -> None:
+    """Characters first (free), then UTF-8 bytes (one pass in C, no tokenizing)."""
+    characters = sum(len(text) for text in texts)
     if characters > limits.max_prompt_tokens * _MAX_CHARS_PER_TOKEN:
         raise InvalidArgument(
             f"{characters} characters cannot fit the model maximum of "
             f"{limits.max_prompt_tokens} tokens",
             field=field,
         )
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    if size > limits.max_prompt_tokens * _MAX_BYTES_PER_TOKEN:
+        raise InvalidArgument(
+            f"{size} UTF-8 bytes cannot fit the model maximum of {limits.max_prompt_tokens} tokens"
+            f" (at most {limits.max_prompt_tokens * _MAX_BYTES_PER_TOKEN} bytes)",
+            field=field,
+        )
+
+
+def _check_length(tokens: int, limits: RequestLimits, field: str) -> None:
+    if tokens > limits.max_prompt_tokens:
+        raise InvalidArgument(f"{tokens} tokens exceeds the model maximum of {limits.max_prompt_tokens}", field=field)
 
 
 def _check_token_ids(ids: tuple[int, ...], vocab_size: int, field: str) -> None:
@@ -256,12 +286,15 @@ def _manifest(request: gateway_pb2.GenerateRequest) -> ManifestChoice:
     if kind == "sha256":
         sha = request.manifest.sha256
         if not _SHA256_HEX.fullmatch(sha):
-            raise InvalidArgument(f"{sha!r} is not a lowercase hex SHA-256", field="manifest.sha256")
+            raise InvalidArgument(f"{echo(sha)} is not a lowercase hex SHA-256", field="manifest.sha256")
         return ManifestChoice(sha256=sha)
     if kind == "by_name":
         name, generation = request.manifest.by_name.name, request.manifest.by_name.policy_generation
-        if not _POLICY_NAME.fullmatch(name):
-            raise InvalidArgument(f"{name!r} is not a policy name", field="manifest.by_name.name")
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"{len(name)} characters exceeds the limit of {MAX_NAME_CHARS}",
+                                  field="manifest.by_name.name")
+        if not is_policy_name(name):
+            raise InvalidArgument(f"{echo(name)} is not a policy name", field="manifest.by_name.name")
         if not 0 <= generation <= MAX_GENERATION:
             raise InvalidArgument(f"{generation} is not in [0, {MAX_GENERATION}] (0 = latest)",
                                   field="manifest.by_name.policy_generation")

@@ -9,7 +9,9 @@ says SERVING, and `stop()` ends everything it started: SIGTERM, then SIGKILL of 
 service's process group (an embedded redis-server included) after `stop_timeout_s`. A child
 also gets SIGTERM when the launcher dies (Linux `PR_SET_PDEATHSIG`, set by
 `services.launcher.child`), so nothing outlives it. The gateway registers the default
-manifests for the checkpoint when it starts.
+manifests for the checkpoint when it starts; the policy service journals every manifest in
+the log directory, so it gets them back when restarted (`respawn`, which `kvrelay up`'s
+supervisor calls for a service that died: services.launcher.supervise).
 """
 
 from __future__ import annotations
@@ -192,6 +194,15 @@ class ServiceProcess:
                 start_new_session=True,
             )
 
+    def check_healthy(self, timeout_s: float = 0.2) -> bool:
+        """One gRPC health check: True if the service answers SERVING."""
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
     def wait_healthy(self, deadline: float) -> None:
         """Poll gRPC health until SERVING; StackError (with the log tail) if the process exits
         or `deadline` (time.monotonic) passes."""
@@ -288,6 +299,9 @@ class Stack:
     def start(self, on_ready: Callable[[ServiceProcess], None] | None = None) -> None:
         """Start every service in dependency order and wait until each is healthy."""
         check_checkpoint(self.config.checkpoint)
+        # A new stack starts from a new Redis: manifests of an earlier run (maybe another
+        # checkpoint) must not come back; restarts within this run read the journal.
+        self.manifest_journal.unlink(missing_ok=True)
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
             self._launch([self._policy()], deadline, on_ready)
@@ -333,6 +347,12 @@ class Stack:
     def dead(self) -> list[ServiceProcess]:
         return [s for s in self.services if not s.running]
 
+    def respawn(self, service: ServiceProcess) -> None:
+        """Start a service that exited again, with the same flags and ports, after killing
+        whatever its old process group left behind."""
+        service.kill()
+        service.spawn(self._env())
+
     def _launch(self, services: Sequence[ServiceProcess], deadline: float,
                 on_ready: Callable[[ServiceProcess], None] | None) -> None:
         env = self._env()
@@ -371,8 +391,15 @@ class Stack:
         args = ["--checkpoint", str(self.config.checkpoint)]
         return args + (["--dtype", self.config.dtype] if self.config.dtype else [])
 
+    @property
+    def manifest_journal(self) -> Path:
+        """Where the policy service keeps the manifests it stored (read back on a restart)."""
+        return self.log_dir / "policy-manifests.jsonl"
+
     def _policy(self) -> ServiceProcess:
-        args = ["--host", self.config.host, "--port", str(self.config.policy_port)]
+        # The checkpoint too: the policy service refuses manifests the workers cannot run.
+        args = [*self._model_args(), "--host", self.config.host, "--port", str(self.config.policy_port),
+                "--manifest-journal", str(self.manifest_journal)]
         return self._service("policy", "policy", self.config.policy_port, args)
 
     def _prefill(self, index: int, port: int) -> ServiceProcess:

@@ -55,3 +55,13 @@ class InvalidModelInput(ModelError):
         self.field = field
         self.reason = reason
         super().__init__(f"invalid {field}: {reason}")
+
+
+class NonFiniteLogits(ModelError):
+    """Logits rows that no token can be sampled from: a NaN or +inf, or no finite entry.
+    `rows` are their indices in the batch; every other row of it is sound."""
+
+    def __init__(self, rows: tuple[int, ...]) -> None:
+        self.rows = rows
+        shown = ", ".join(str(row) for row in rows[:8]) + (", ..." if len(rows) > 8 else "")
+        super().__init__(f"logits rows [{shown}] are not finite (NaN, +inf, or no finite entry)")

@@ -224,16 +224,26 @@ class DecodeCache:
         self._write(layer, slot, head, keys, values, positions)
 
     def release(self, request_id: str) -> None:
-        """Drop a request; the last slot moves into its place (only that request's rows copy)."""
+        """Drop a request; the last slot moves into its place (only that request's rows copy).
+        The dropped request's rows are zeroed: they stay behind as padding that other requests'
+        attention reads with weight 0, and 0 * NaN would carry a fault of this request's KV
+        into theirs (see `LayerSlab.zeros`)."""
         slot, last = self._slot(request_id), self.batch_size - 1
         self._undoable = False
+        for layer, slab in enumerate(self._slabs):
+            # + 1: the row a failed or undone step may have appended past the committed ones
+            stop = min(int(self._rows[layer, slot]) + 1, slab.capacity)
+            slab.keys[slot, :, :stop] = 0
+            slab.values[slot, :, :stop] = 0
         if slot != last:
             for layer, slab in enumerate(self._slabs):
-                used = int(self._rows[layer, last])
+                used = min(int(self._rows[layer, last]) + 1, slab.capacity)
                 slab.keys[slot, :, :used] = slab.keys[last, :, :used]
                 slab.values[slot, :, :used] = slab.values[last, :, :used]
                 slab.positions[slot, :, :used] = slab.positions[last, :, :used]
                 slab.lengths[slot] = slab.lengths[last]
+                slab.keys[last, :, :used] = 0
+                slab.values[last, :, :used] = 0
             self._rows[:, slot] = self._rows[:, last]
             self._frontier[slot] = self._frontier[last]
             self.request_ids[slot] = self.request_ids[last]

@@ -6,7 +6,19 @@ sampled by the prefill worker, the rest by the decode worker) and whatever share
 `SamplingParams` is the one sampling type of a request, from the gateway to the decode worker;
 `check_sampling` is its one rule set: every hop (gateway, prefill, decode) calls it with its own
 `SamplingLimits`, and every `SamplingParams` runs its value rules when it is built. The proto's
-conventions (top_p 0 and seed 0 mean unset) are mapped in `services.transfer.codec`, once."""
+conventions (top_p 0 and seed 0 mean unset) are mapped in `services.transfer.codec`, once.
+
+Every value `check_sampling` admits samples a valid token from any sound logits row: the
+arithmetic is float64 and the temperature divides logits shifted by their maximum, so the best
+token's scaled logit is exactly 0 and no other can overflow — `(z - max z) / T` lies in
+[-inf, 0] for every finite T > 0, subnormal (5e-324) or huge (1.8e308). As T -> 0 sampling
+tends to greedy (uniform among tied maxima), as T -> inf to uniform over the top-k / top-p
+support; no minimum temperature is needed. top-k and top-p rank the raw logits (a positive
+temperature keeps their order, and ties made by float rounding never widen or reorder them);
+top-p compares float64 mass against top_p, so the best token survives any top_p > 0. A row
+that is not sound (a NaN, a +inf, or no finite entry: `finite_rows`) is a computation's
+fault, never a parameter's: `sample` refuses it with `NonFiniteLogits` naming the rows, and
+the decode loop fails that request alone."""
 
 from __future__ import annotations
 
@@ -16,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.model.errors import InvalidModelInput
+from services.model.errors import InvalidModelInput, NonFiniteLogits
 
 FINISH_EOS = "eos"
 FINISH_STOP = "stop"
@@ -61,7 +73,8 @@ def check_sampling(
     """The rule set of a request's sampling; InvalidModelInput names the field (`sampling.top_p`,
     `sampling.stop_token_ids[3]`, ...). Without `limits`, the value rules only: temperature
     finite and >= 0, top_k >= 0, top_p in (0, 1], stop ids >= 0. With them, also the hop's
-    bounds: `max_tokens` in [1, limits.max_tokens], the count of stop ids and their range."""
+    bounds: `max_tokens` in [1, limits.max_tokens], the count of stop ids and their range.
+    Every value these rules admit samples safely: `sample` needs no rule of its own."""
     if not (math.isfinite(params.temperature) and params.temperature >= 0.0):
         reason = f"{params.temperature} must be finite and >= 0 (0 = greedy)"
         raise InvalidModelInput("sampling.temperature", reason)
@@ -98,13 +111,23 @@ def step_generator(
     return generator
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Rows of logits `[B, V]` a token can be sampled from `[B]` bool: no NaN, no +inf, and at
+    least one finite entry (-inf entries are tokens that cannot be drawn)."""
+    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
+    return ~broken & torch.isfinite(logits).any(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
 ) -> torch.Tensor:
     """logits `[B, V]` -> token ids `[B]`; row b is output token steps[b] of a request
-    sampled with params[b]."""
+    sampled with params[b]. NonFiniteLogits names the rows that are not `finite_rows`."""
     if len(params) != logits.shape[0] or len(steps) != logits.shape[0]:
         raise InvalidModelInput("sampling", "need one SamplingParams and step per logits row")
+    unsound = (~finite_rows(logits)).nonzero().flatten().tolist()
+    if unsound:
+        raise NonFiniteLogits(tuple(unsound))
     tokens = [
         _sample_row(row, p, step_generator(p, step, logits.device))
         for row, p, step in zip(logits, params, steps, strict=True)
@@ -117,8 +140,29 @@ def _sample_row(
 ) -> torch.Tensor:
     if params.greedy:
         return logits.argmax()
-    probs = torch.softmax(filter_logits(logits.float() / params.temperature, params), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[0]
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (temperature > 0) request draws from, float64 `[V]`: zero
+    outside the top-k and outside the smallest top-p nucleus, finite, and positive at the best
+    token for every sound row (`finite_rows`) and every value `check_sampling` admits."""
+    logits = logits.double()
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    scaled = (logits - logits.max()) / params.temperature  # in [-inf, 0]; the best token is 0
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        # Ranked by logit, which orders the probabilities too, and keeps that order where a
+        # huge temperature rounds them to ties.
+        order = torch.argsort(logits, descending=True)
+        ordered = probs[order]
+        mass_before = torch.cumsum(ordered, dim=-1) - ordered  # exactly 0 for the best token
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        drop[order] = mass_before >= params.top_p
+        probs = probs.masked_fill(drop, 0.0)
+    return probs
 
 
 def _mix(seed: int, step: int) -> int:
@@ -128,21 +172,6 @@ def _mix(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Set to -inf every token outside the top-k and outside the smallest top-p nucleus `[V]`."""
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # the best token always survives
-        drop = torch.zeros_like(logits, dtype=torch.bool)
-        drop[order] = mass_before >= params.top_p
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def finish_reason(

@@ -85,7 +85,9 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the tokenizer's BOS/template when `add_special_tokens`)."""
-        ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL (encode holds it), so a big prompt tokenized on a
+        # thread does not stall the caller's event loop; the ids are the same.
+        ids = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         bos = self.token_id(self.bos_token) if self.bos_token else None
         if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)

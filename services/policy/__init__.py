@@ -3,6 +3,7 @@
 from services.policy.client import PolicyClient, PolicyClientConfig
 from services.policy.errors import (
     ManifestConflict,
+    ManifestDoesNotFit,
     ManifestInvalid,
     NotFound,
     PolicyCallFailed,
@@ -25,6 +26,7 @@ from services.policy.types import (
 __all__ = [
     "Fence",
     "ManifestConflict",
+    "ManifestDoesNotFit",
     "ManifestInvalid",
     "ManifestRef",
     "NotFound",

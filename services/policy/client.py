@@ -3,7 +3,7 @@
 Every call has a deadline (`timeout_s`, covering all attempts). UNAVAILABLE is retried
 with full-jitter exponential backoff up to `max_attempts` while the deadline allows;
 then, like DEADLINE_EXCEEDED, it surfaces as `PolicyUnavailable`. Every other status comes
-back as its typed error: `ManifestInvalid`, `RequestInvalid`, `NotFound`,
+back as its typed error: `ManifestInvalid`, `ManifestDoesNotFit`, `RequestInvalid`, `NotFound`,
 `ManifestConflict`, `StaleGeneration` / `RequestEnded` (with the current `Fence`).
 Retrying is safe: publish and end are idempotent, re-registering identical bytes is too.
 """
@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.policy import wire
 from services.policy.errors import (
     ManifestConflict,
+    ManifestDoesNotFit,
     ManifestInvalid,
     NotFound,
     PolicyCallFailed,
@@ -87,6 +88,9 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> PolicyError:
         return NotFound(message, field=field)
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return ManifestConflict(message, field=field)
+    refused = detail.reason == common_pb2.ERROR_REASON_MANIFEST_INVALID
+    if code == grpc.StatusCode.FAILED_PRECONDITION and refused:
+        return ManifestDoesNotFit(message, field=field)
     if code == grpc.StatusCode.FAILED_PRECONDITION and detail.HasField("current"):
         stale = RequestEnded if detail.reason == common_pb2.ERROR_REASON_REQUEST_ENDED else StaleGeneration
         return stale(message, field=field, current=wire.fence_from_proto(detail.current))

@@ -26,6 +26,13 @@ class ManifestInvalid(rpc_errors.InvalidArgument, PolicyError):
     reason = common_pb2.ERROR_REASON_MANIFEST_INVALID
 
 
+class ManifestDoesNotFit(rpc_errors.FailedPrecondition, PolicyError):
+    """A valid manifest that fits none of the deployments this policy service serves
+    (`services.kvpolicy.fit.check_fits`); `field` names the manifest field that differs."""
+
+    reason = common_pb2.ERROR_REASON_MANIFEST_INVALID
+
+
 class RequestInvalid(rpc_errors.InvalidArgument, PolicyError):
     """A request argument is malformed or out of range; `field` names it."""
 

@@ -10,12 +10,12 @@ import enum
 import re
 from dataclasses import dataclass
 
+from services.echo import echo
+from services.kvpolicy.manifest import MAX_GENERATION, is_policy_name
 from services.policy.errors import RequestInvalid
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_WORKER_ID_CHARS = 128
-# Lua numbers are IEEE doubles: generations stay exact below 2**53.
-MAX_GENERATION = 2**53 - 1
 MAX_LEASE_MS = 7 * 24 * 3600 * 1000
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]*")
 _WORKER_ID = re.compile(r"[!-~]*")  # printable ASCII, no whitespace
@@ -51,20 +51,20 @@ def check_request_id(value: str, field: str = "request_id") -> None:
     if len(value) > MAX_REQUEST_ID_CHARS:
         raise RequestInvalid(f"{len(value)} characters exceeds the limit of {MAX_REQUEST_ID_CHARS}", field=field)
     if not _REQUEST_ID.fullmatch(value):
-        raise RequestInvalid(f"{value!r} must match {_REQUEST_ID.pattern}", field=field)
+        raise RequestInvalid(f"{echo(value)} must match {_REQUEST_ID.pattern}", field=field)
 
 
 def check_generation(value: int, field: str, minimum: int = 0) -> None:
     """An integer in [minimum, 2**53)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestInvalid(f"expected an integer, got {value!r}", field=field)
+        raise RequestInvalid(f"expected an integer, got {echo(value)}", field=field)
     if not minimum <= value <= MAX_GENERATION:
-        raise RequestInvalid(f"{value} is not in [{minimum}, {MAX_GENERATION}]", field=field)
+        raise RequestInvalid(f"{echo(value)} is not in [{minimum}, {MAX_GENERATION}]", field=field)
 
 
 def check_sha256(value: str, field: str) -> None:
     if not _SHA256_HEX.fullmatch(value):
-        raise RequestInvalid(f"{value!r} is not a lowercase hex SHA-256", field=field)
+        raise RequestInvalid(f"{echo(value)} is not a lowercase hex SHA-256", field=field)
 
 
 def check_lease_ms(value: int, field: str = "lease_ms") -> None:
@@ -87,6 +87,15 @@ class ManifestRef:
     sha256: str
     name: str
     policy_generation: int
+
+
+def check_manifest_ref(ref: ManifestRef) -> None:
+    """What a stored ref must be to cross the wire: a SHA-256, a policy name (the manifest
+    rule) and a generation in [1, 2**53)."""
+    check_sha256(ref.sha256, "sha256")
+    if not is_policy_name(ref.name):
+        raise RequestInvalid(f"{echo(ref.name)} is not a policy name", field="name")
+    check_generation(ref.policy_generation, "policy_generation", minimum=1)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ at least one healthy worker of each role). `Readiness` evaluates them all before
 reports anything (so health says NOT_SERVING until the first pass succeeds), then again
 every `interval_s`, and flips the gRPC health status of "" and every hosted service on
 each transition, logging why. Probes are bounded by `timeout_s`; a probe that raises or
-times out counts as not ready.
+times out counts as not ready. A service that learns of a change itself (the policy service's
+recovery loop) calls `evaluate()` at once; evaluations never interleave, so the last one wins.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Readiness:
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
         self.problems: list[str] | None = None  # None: not evaluated yet
 
     @property
@@ -68,6 +70,10 @@ class Readiness:
 
     async def evaluate(self) -> bool:
         """Run every probe once, set the health status, return whether all passed."""
+        async with self._lock:
+            return await self._evaluate()
+
+    async def _evaluate(self) -> bool:
         results = await asyncio.gather(*(self._probe(check) for check in self._checks))
         problems = readiness_problems([(c.name, r) for c, r in zip(self._checks, results, strict=True)])
         if problems != self.problems:
@@ -98,7 +104,10 @@ class Readiness:
 
     async def _probe(self, check: ReadinessCheck) -> str | None:
         try:
-            return await asyncio.wait_for(check.probe(), self._timeout_s)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that arrives
+            # as the probe ends, and stop() would then wait forever.
+            async with asyncio.timeout(self._timeout_s):
+                return await check.probe()
         except TimeoutError:
             return f"no answer within {self._timeout_s:g} s"
         except Exception as exc:  # noqa: BLE001 - any failure of a probe means "not ready"

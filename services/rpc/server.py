@@ -6,18 +6,25 @@ SO_REUSEPORT off so two servers can never share a port by accident. Every bound 
 "" report SERVING while the `readiness` checks pass (`services.rpc.readiness`; re-evaluated
 every `readiness_interval_s`) and NOT_SERVING until they do. Every call is counted and timed
 (`services.telemetry.metrics`) and, when tracing is configured, continues the caller's trace
-(`services.telemetry.tracing`). `RpcServer.stop()` flips health to NOT_SERVING before draining.
+(`services.telemetry.tracing`). Requests are parsed inside the call (`RequestParsing`), so a
+message that does not parse is INVALID_ARGUMENT naming what failed, not grpc's bare UNKNOWN.
+`RpcServer.stop()` flips health to NOT_SERVING before draining.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import inspect
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.rpc.errors import abort_with, undecodable_request
 from services.rpc.readiness import Readiness, ReadinessCheck
 from services.telemetry.metrics import RpcMetricsInterceptor
 from services.telemetry.tracing import server_interceptors
@@ -73,6 +80,77 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+def client_channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """`channel_options` plus fast reconnects, for channels to other kvrelay services: gRPC's
+    default backoff starts at 1 s and grows 1.6x per failed attempt, so a peer that restarted
+    stayed unreachable for seconds after it was back; here retries come within a second."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class RequestParsing(grpc.aio.ServerInterceptor):
+    """Hands each unary-request handler the raw bytes and parses them itself: grpc reports a
+    request its deserializer rejects as UNKNOWN without a detail; here it is INVALID_ARGUMENT
+    with the ErrorDetail of `services.rpc.errors.undecodable_request`."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        if inspect.iscoroutinefunction(handler.unary_unary):
+            return grpc.unary_unary_rpc_method_handler(
+                _parsed_unary(parse, handler.unary_unary),
+                response_serializer=handler.response_serializer,
+            )
+        # Streams that yield (every kvrelay stream); health's Watch writes instead and is left as is.
+        if inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(
+                _parsed_stream(parse, handler.unary_stream),
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+async def _parse(parse: Callable[[bytes], Any], data: bytes, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return parse(data)
+    except DecodeError as exc:
+        descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+        await abort_with(context, undecodable_request(descriptor, data, exc))
+
+
+def _parsed_unary(
+    parse: Callable[[bytes], Any], behavior: Callable[..., Awaitable[Any]]
+) -> Callable[..., Awaitable[Any]]:
+    async def unary(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await _parse(parse, data, context), context)
+
+    return unary
+
+
+def _parsed_stream(
+    parse: Callable[[bytes], Any], behavior: Callable[..., AsyncGenerator[Any, None]]
+) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        request = await _parse(parse, data, context)
+        # Closed here when the caller closes this generator, in the call's own task and Context
+        # (see services.telemetry.metrics: a generator left to the collector unwinds elsewhere).
+        async with contextlib.aclosing(behavior(request, context)) as items:
+            async for item in items:
+                yield item
+
+    return stream
+
+
 class RpcServer:
     """A started server. `address` is host:port with the port actually bound."""
 
@@ -104,7 +182,8 @@ async def start_server(
     """Create, bind and start a grpc.aio server hosting `bindings` plus health and reflection;
     health reports SERVING once every `readiness` check passes (at once without checks)."""
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    interceptors = [RpcMetricsInterceptor(), *server_interceptors()]
+    # Parsing is innermost, so that a request that does not parse is counted and traced too.
+    interceptors = [RpcMetricsInterceptor(), *server_interceptors(), RequestParsing()]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     for binding in bindings:
         binding.register(server)

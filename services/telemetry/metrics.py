@@ -9,6 +9,7 @@ defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpo
 | -------------------------------------------- | ---------------- | --------------------------------------- |
 | rpc_requests_total, rpc_duration_seconds     | all              | served calls by method and status code  |
 | stale_rejections_total{stage}                | prefill, decode, policy | work refused for an older generation |
+| policy_undecodable_entries_total             | policy           | manifest index entries a listing skipped |
 | gateway_ttft_seconds, gateway_tpot_seconds   | gateway          | as the client sees the stream           |
 | gateway_requests_in_flight, gateway_retries_total | gateway     | load and retries on other workers       |
 | prefill_stage_seconds{stage}                 | prefill          | forward, score, allocate, select, pack, publish, send |
@@ -19,6 +20,7 @@ defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpo
 | decode_transfers_rejected_total{error}       | decode           | views refused before decoding           |
 | decode_requests_active, decode_requests_waiting, decode_kv_reserved_bytes | decode | queue and KV resident |
 | decode_batch_size, decode_tokens_total, decode_tpot_seconds | decode | the continuous-batching loop |
+| decode_non_finite_total                      | decode           | requests failed alone: their logits were not finite |
 | offload_store_bytes                          | prefill          | host bytes held for recallable_remote requests |
 | offload_refusals_total{reason}               | prefill          | requests the store refused (they degrade to irrecoverable) |
 | offload_released_total{cause}                | prefill          | stored states dropped: end, expired, fenced, evicted |
@@ -35,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,11 @@ STALE_REJECTIONS = _unregistered(Counter, "kvrelay_stale_rejections",
                                  "Work refused because it carries an older request/state/cache generation",
                                  ("stage",))
 
+POLICY_UNDECODABLE_ENTRIES = _unregistered(
+    Counter, "kvrelay_policy_undecodable_entries",
+    "Manifest index entries in Redis that a listing skipped because they do not decode (each time;"
+    " a non-zero rate means a bad entry is still there)")
+
 GATEWAY_TTFT = _unregistered(Histogram, "kvrelay_gateway_ttft_seconds",
                              "Time to first token, from accepting the request", buckets=LATENCY_BUCKETS)
 GATEWAY_TPOT = _unregistered(Histogram, "kvrelay_gateway_tpot_seconds",
@@ -115,6 +122,8 @@ DECODE_BATCH = _unregistered(Histogram, "kvrelay_decode_batch_size", "Requests p
 DECODE_TOKENS = _unregistered(Counter, "kvrelay_decode_tokens", "Output tokens decoded (the first comes from prefill)")
 DECODE_TPOT = _unregistered(Histogram, "kvrelay_decode_tpot_seconds",
                             "Mean time per decoded token, per finished request", buckets=TOKEN_BUCKETS)
+DECODE_NON_FINITE = _unregistered(Counter, "kvrelay_decode_non_finite",
+                                  "Requests failed alone because their logits were not finite (their batch went on)")
 
 OFFLOAD_STORE_BYTES = _unregistered(Gauge, "kvrelay_offload_store_bytes",
                                     "Host bytes of omitted rows held for recallable_remote requests")
@@ -138,12 +147,12 @@ _COMMON: tuple[Collector, ...] = (RPC_REQUESTS, RPC_DURATION)
 _TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUPS_CREATED, PAIR_GROUPS_EVICTED)
 ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
     "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_RETRIES),
-    "policy": (STALE_REJECTIONS,),
+    "policy": (STALE_REJECTIONS, POLICY_UNDECODABLE_ENTRIES),
     "prefill": (STALE_REJECTIONS, PREFILL_STAGE, PREFILL_IN_FLIGHT, PREFILL_QUEUE_DEPTH, KV_ROWS, KV_BYTES,
                 OFFLOAD_STORE_BYTES, OFFLOAD_REFUSALS, OFFLOAD_RELEASED, OFFLOAD_RECALLS_SERVED, *_TRANSFER),
     "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED,
-               DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, RECALLS, RECALL_ROWS, RECALL_BYTES, RECALL_SECONDS,
-               RECALL_FALLBACKS, *_TRANSFER),
+               DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, DECODE_NON_FINITE, RECALLS, RECALL_ROWS, RECALL_BYTES,
+               RECALL_SECONDS, RECALL_FALLBACKS, *_TRANSFER),
 }
 
 
@@ -239,13 +248,25 @@ def _measured_unary(method: str, behavior: Callable[..., Awaitable[Any]]) -> Cal
     return unary
 
 
-def _measured_stream(method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+def _measured_stream(
+    method: str, behavior: Callable[..., AsyncGenerator[Any, None]]
+) -> Callable[..., Awaitable[None]]:
+    """The outermost layer of every served stream, so it also owns the stream's lifetime: it
+    writes each response (`context.write`) instead of yielding it, and closes the handler's
+    generator in this task. grpc abandons a yielding handler that is cancelled while a
+    response is being sent; Python then finalises that generator, and each one it delegates
+    to, in a task of its own, whose contextvars Context is not the one their `with` blocks
+    were entered in, so every context token reset there (OpenTelemetry's detach, a bound
+    request id) fails and is logged at ERROR. Here a client cancel arrives at `write`, and
+    every layer unwinds in the call's own task and Context."""
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
         started = time.perf_counter()
         error: BaseException | None = None
         try:
-            async for response in behavior(request, context):
-                yield response
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    await context.write(response)
         except BaseException as exc:
             error = exc
             raise

@@ -134,9 +134,13 @@ def server_interceptors() -> list[Any]:
     """gRPC server interceptors that continue the caller's trace (none when tracing is off)."""
     if _active is None:
         return []
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+    from opentelemetry.instrumentation.grpc import __version__ as version
 
-    return [aio_server_interceptor(filter_=_traced)]
+    from services.telemetry.server_tracing import ClosingAioServerInterceptor
+
+    tracer = trace.get_tracer("opentelemetry.instrumentation.grpc", version,
+                              schema_url="https://opentelemetry.io/schemas/1.11.0")
+    return [ClosingAioServerInterceptor(tracer, filter_=_traced)]
 
 
 def _provider(config: TracingConfig) -> Any:

@@ -1,20 +1,24 @@
 """`kvrelay generate` and `kvrelay policies` against the stack `kvrelay up` started (the
-session fixture; its teardown checks that SIGTERM stops every service), and a launcher that
-dies without stopping its services takes them along."""
+session fixture; its teardown checks that SIGTERM stops every service), a SIGKILLed worker
+that the launcher restarts while the rest keeps serving, and a launcher that dies without
+stopping its services takes them along."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from e2e_helpers import E2E_ENV, KVRELAY, UpStack, alive, wait_gone
 
+from services.gateway.client import GatewayClient, generate_request
 from services.kvpolicy.manifest import default_manifests
 from services.model import LoadedModel
 
@@ -56,6 +60,30 @@ def test_policies_lists_the_defaults_and_registers_manifest_files(
     for name in (*DEFAULT_POLICIES, "my-snapkv"):
         assert re.search(rf"^\W*{re.escape(name)}\s", listed.stdout, re.MULTILINE), (name, listed.stdout)
     assert re.search(r"my-snapkv\s.*50% of prompt", listed.stdout), listed.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_decode_worker_is_restarted_and_the_rest_keeps_serving(stack: UpStack) -> None:
+    victim = stack.pids["decode-1"]
+    others = {name: pid for name, pid in stack.pids.items() if name != "decode-1"}
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    match = stack.output.wait_for(rf"ready decode-1\s+\S+\s+pid (?!{victim}\b)(\d+)", 100)
+    ready_s = time.monotonic() - killed
+    stack.pids["decode-1"] = int(match.group(1))  # the session's teardown checks every service
+    assert stack.up.poll() is None and all(alive(pid) for pid in others.values()), stack.output.text[-2000:]
+    assert "restarting decode-1 in 0.5 s" in stack.output.text
+
+    # Requests reach the restarted worker through the prefill workers (no stale channel).
+    served_by: list[str] = []
+    with GatewayClient(stack.gateway_address, timeout_s=30) as client:
+        while stack.decode_addresses[1] not in served_by and time.monotonic() - killed < ready_s + 10:
+            result = client.generate(generate_request("the old bridge", policy="full", max_tokens=2))
+            served_by.append(result.summary.decode_worker)
+    reached_s = time.monotonic() - killed
+    print(f"decode-1 SIGKILLed: healthy again after {ready_s:.1f} s, serving {reached_s - ready_s:.2f} s later")
+    assert stack.decode_addresses[1] in served_by, served_by
+    assert reached_s - ready_s < 5.0
 
 
 PARENT = textwrap.dedent("""

@@ -88,6 +88,15 @@ def varint(value: int) -> bytes:
             return bytes(out)
 
 
+def with_digits(digits: int) -> Callable[[Context], bytes]:
+    """The registered manifest with a `digits`-digit policy_generation (JSON allows any)."""
+    def build(ctx: Context) -> bytes:
+        text = manifest_json(ctx, policy_generation=7).decode()
+        return text.replace('"policy_generation": 7', f'"policy_generation": {"9" * digits}').encode()
+
+    return build
+
+
 def with_raw_field(number: int, payload: bytes) -> Callable[[Context], bytes]:
     """A valid publish plus one length-delimited field `number` carrying `payload`."""
     def build(ctx: Context) -> bytes:
@@ -112,12 +121,31 @@ CASES = [
          register(lambda c: manifest_json(c, policy_generation="2")), INVALID, "policy_generation"),
     Case("negative policy generation", "RegisterManifest",
          register(lambda c: manifest_json(c, policy_generation=-1)), INVALID, "policy_generation"),
+    Case("policy generation 2**63 (past int64 and Lua's exact integers)", "RegisterManifest",
+         register(lambda c: manifest_json(c, policy_generation=2**63)), INVALID, "policy_generation"),
+    Case("policy generation 2**53", "RegisterManifest",
+         register(lambda c: manifest_json(c, policy_generation=2**53)), INVALID, "policy_generation"),
+    Case("5000-digit policy generation", "RegisterManifest", register(with_digits(5000)), INVALID,
+         "policy_generation"),
+    Case("checkpoint generation 2**63", "RegisterManifest",
+         register(lambda c: manifest_json(c, checkpoint_generation=2**63)), INVALID, "checkpoint_generation"),
+    Case("10**7 K/V heads with a custom map", "RegisterManifest",
+         register(lambda c: manifest_json(c, tensor__num_kv_heads=10**7, tensor__gqa_grouping="custom")),
+         INVALID, "tensor.num_kv_heads"),
+    Case("a head map longer than any model has heads", "RegisterManifest",
+         register(lambda c: manifest_json(c, tensor__q_to_kv_head_map=[0] * 10_000)), INVALID,
+         "tensor.q_to_kv_head_map"),
+    Case("observation window past 16M positions", "RegisterManifest",
+         register(lambda c: manifest_json(c, selection__snapkv__observation_window=2**40)), INVALID,
+         "selection.snapkv.observation_window"),
+    Case("10 KB policy name", "RegisterManifest", register(lambda c: manifest_json(c, name="x" * 10_000)),
+         INVALID, "name"),
     Case("empty manifest", "RegisterManifest", register(lambda c: b""), INVALID, "manifest_json"),
     Case("manifest not UTF-8", "RegisterManifest", register(lambda c: b'{"name": "\xff"}'), INVALID, "manifest_json"),
     Case("oversized manifest", "RegisterManifest",
          register(lambda c: manifest_json(c, policy_manifest_id="x" * MAX_MANIFEST_BYTES)), INVALID, "manifest_json"),
     Case("different manifest under an existing name and generation", "RegisterManifest",
-         register(lambda c: manifest_json(c, policy_manifest_id="snapkv@other")),
+         register(lambda c: manifest_json(c, selection__snapkv__pooling_kernel=7)),
          grpc.StatusCode.ALREADY_EXISTS, "policy_generation"),
     Case("unknown manifest sha", "GetManifest",
          lambda c: policy_pb2.GetManifestRequest(sha256=digest("nope")), NOT_FOUND, "sha256"),
@@ -136,6 +164,8 @@ CASES = [
     Case("non-integer request generation (string on the wire)", "PublishState",
          with_raw_field(2, b"1.5"), INVALID, "request_generation"),
     Case("unknown protobuf field", "PublishState", with_raw_field(99, b"x"), INVALID, "#99"),
+    Case("string field not UTF-8", "BeginRequest", lambda c: b"\x0a\x02\xff\xfe", INVALID, "request_id"),
+    Case("corrupt wire format", "PublishState", lambda c: b"\x0a\xff\xff", INVALID, "request"),
     Case("negative parent generation", "PublishState",
          publish(parent_state_generation=-1, state_generation=0), INVALID, "parent_state_generation"),
     Case("successor is not parent + 1", "PublishState", publish(state_generation=3), INVALID, "state_generation"),
@@ -224,6 +254,7 @@ async def test_bad_input_is_rejected_with_status_and_field(
     detail = error_detail(failure.value)
     assert detail is not None and detail.field == case.field, (detail, failure.value.details())
     assert case.field in failure.value.details()
+    assert len(failure.value.details()) < 400, "a bad value is echoed in ~100 characters at most"
     assert keyspace(redis_server.url, prefix) == before
 
 

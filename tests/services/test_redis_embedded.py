@@ -105,3 +105,47 @@ def test_binary_lookup_and_config_validation() -> None:
         EmbeddedRedisConfig(password='has"quote')
     with pytest.raises(ValueError, match="port"):
         EmbeddedRedisConfig(port=-1)
+
+
+OWNER = """
+import sys, threading, time
+from services.redis_embedded import EmbeddedRedis
+server = EmbeddedRedis()
+# Started from a thread that ends at once: the server must outlive the thread, not the process.
+starter = threading.Thread(target=server.start)
+starter.start()
+starter.join()
+print(server.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_server_outlives_its_starting_thread_but_not_a_sigkilled_owner() -> None:
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline())
+        time.sleep(0.3)  # the starting thread is long gone
+        assert _alive(pid), "redis-server died with the thread that started it"
+        owner.kill()
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(pid), "redis-server outlived its SIGKILLed owner"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -15,7 +15,7 @@ import pytest
 
 from policy_service.config import PolicyServiceConfig
 from policy_service.server import PolicyServer
-from services.model import needle
+from services.demo import needle
 from services.model.tokenizer import TextTokenizer
 from services.redis_embedded import EmbeddedRedis
 from services.rpc.server import ServerConfig

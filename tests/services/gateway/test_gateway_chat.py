@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.demo import needle
 from services.gateway.client import ChatHistory, chat_messages, generate_request
 from services.gateway.validation import ChatUnsupported, RequestLimits, validate_request
-from services.model import needle
 from services.model.tokenizer import ChatMessage, TextTokenizer
 from services.rpc.errors import InvalidArgument, status_for
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2

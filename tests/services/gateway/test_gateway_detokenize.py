@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from services.demo import needle
 from services.gateway.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
-from services.model import needle
 from services.model.tokenizer import TextTokenizer
 
 

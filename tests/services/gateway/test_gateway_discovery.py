@@ -1,13 +1,16 @@
-"""Worker discovery: parsing static and DNS sources, least-outstanding picking, and a pool
-that follows real gRPC health services and re-resolved DNS answers."""
+"""Worker discovery: parsing static and DNS sources, least-outstanding picking, a pool that
+follows real gRPC health services and re-resolved DNS answers, and admission: leases beyond a
+per-worker cap wait their turn, first come first served, within a deadline."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import pytest
 
+from services.gateway.admission import WaitQueue, WorkersBusy
 from services.gateway.discovery import (
     Candidate,
     DiscoveryConfig,
@@ -121,3 +124,95 @@ async def test_dns_source_is_re_resolved() -> None:
         await pool.close()
         for server in servers:
             await server.stop(0)
+
+
+def test_pick_skips_workers_at_their_cap() -> None:
+    workers = [Candidate("a", True, 2, 1), Candidate("b", True, 1, 5), Candidate("c", False, 0, 0)]
+    assert pick(workers, max_outstanding=2) == "b"
+    assert pick(workers, frozenset({"b"}), max_outstanding=2) == "b"  # avoided, but the only one with room
+    assert pick(workers, max_outstanding=1) is None
+
+
+async def test_waiters_take_turns_in_order_and_give_up_at_their_deadline() -> None:
+    free = [0]
+
+    def take() -> str | None:
+        if free[0]:
+            free[0] -= 1
+            return "slot"
+        return None
+
+    queue: WaitQueue[str] = WaitQueue(max_waiting=2)
+    served: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await queue.take(take, 5.0, lambda: "all busy")
+        served.append(name)
+
+    first = asyncio.ensure_future(waiter("first"))
+    await wait_until(lambda: queue.waiting == 1)
+    second = asyncio.ensure_future(waiter("second"))
+    await wait_until(lambda: queue.waiting == 2)
+    with pytest.raises(WorkersBusy, match="2 requests are already waiting"):
+        await queue.take(take, 5.0, lambda: "all busy")
+    free[0] = 1  # one slot: the first waiter gets it, the second keeps waiting
+    queue.notify()
+    await asyncio.wait_for(first, 5)
+    assert served == ["first"] and queue.waiting == 1
+    free[0] = 1
+    queue.notify()
+    await asyncio.wait_for(second, 5)
+    assert served == ["first", "second"] and queue.waiting == 0
+    started = time.monotonic()
+    with pytest.raises(WorkersBusy, match="all busy for the 0.2 s"):
+        await queue.take(take, 0.2, lambda: "all busy")
+    assert 0.2 <= time.monotonic() - started < 2.0
+    assert queue.waiting == 0
+
+
+async def test_a_cancelled_waiter_leaves_and_passes_its_turn_on() -> None:
+    free = [0]
+    queue: WaitQueue[int] = WaitQueue(max_waiting=4)
+
+    def take() -> int | None:
+        if free[0]:
+            free[0] -= 1
+            return 1
+        return None
+
+    leaving = asyncio.ensure_future(queue.take(take, 5.0, lambda: "busy"))
+    await wait_until(lambda: queue.waiting == 1)
+    staying = asyncio.ensure_future(queue.take(take, 5.0, lambda: "busy"))
+    await wait_until(lambda: queue.waiting == 2)
+    free[0] = 1
+    queue.notify()  # wakes the first waiter, which is cancelled before it runs
+    leaving.cancel()
+    assert await asyncio.wait_for(staying, 5) == 1
+    assert leaving.cancelled() and queue.waiting == 0
+
+
+async def test_a_pool_lease_waits_for_room_then_for_no_healthy_worker() -> None:
+    server = await start_worker()
+    pool = WorkerPool("prefill", SERVICE, WorkerSource(addresses=(server.address,)), FAST, max_outstanding=1)
+    await pool.start()
+    try:
+        async with pool.lease() as held:
+            waiting = asyncio.ensure_future(_lease_address(pool, 5.0))
+            await wait_until(lambda: pool.waiting == 1)
+            with pytest.raises(WorkersBusy, match="1 healthy prefill workers had 1 requests outstanding"):
+                async with pool.lease(wait_s=0.1):
+                    pass
+        assert await asyncio.wait_for(waiting, 5) == held.address  # its turn came when the first left
+        async with pool.lease():
+            waiting = asyncio.ensure_future(_lease_address(pool, 5.0))
+            await wait_until(lambda: pool.waiting == 1)
+            await server.stop(0)  # the only worker goes: the waiter hears so, not a timeout
+            with pytest.raises(NoHealthyWorker):
+                await asyncio.wait_for(waiting, 5)
+    finally:
+        await pool.close()
+
+
+async def _lease_address(pool: WorkerPool, wait_s: float) -> str:
+    async with pool.lease(wait_s=wait_s) as endpoint:
+        return endpoint.address

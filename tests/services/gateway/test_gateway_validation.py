@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from services.demo import needle
 from services.gateway.validation import (
     GenerationInput,
     ManifestChoice,
     RequestLimits,
+    check_prompt_size,
     validate_request,
 )
-from services.model import needle
 from services.model.sampler import SamplingParams
 from services.model.tokenizer import TextTokenizer
 from services.rpc.errors import InvalidArgument
@@ -124,3 +125,38 @@ def test_unknown_wire_fields_are_rejected() -> None:
     with pytest.raises(InvalidArgument) as caught:
         check(gateway_pb2.GenerateRequest.FromString(data))
     assert caught.value.field == "#100"
+
+
+class NeverTokenizes:
+    """The needle tokenizer, but a call to tokenize fails the test: size checks come first."""
+
+    chat_template = TOKENIZER.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise AssertionError("tokenized a prompt that the size bound should have refused")
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:  # type: ignore[no-untyped-def]
+        raise AssertionError("rendered a chat that the size bound should have refused")
+
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        return ()
+
+
+@pytest.mark.parametrize(("request_message", "field", "says"), [
+    # 40 tokens allow 2560 characters and 2560 UTF-8 bytes: 1300 two-byte characters pass the one, not the other.
+    (gateway_pb2.GenerateRequest(text="é" * 1300), "text", "2600 UTF-8 bytes"),
+    (gateway_pb2.GenerateRequest(text="a" * 2561), "text", "2561 characters"),
+    (gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=[
+        gateway_pb2.ChatMessage(role="user", content="é" * 700)] * 2)), "chat.messages", "2800 UTF-8 bytes"),
+    # A huge id list is refused by its count, before any id is looked at (these are past the vocabulary).
+    (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[10**6] * 100_000)), "token_ids.ids",
+     "100000 tokens exceeds"),
+])
+def test_oversized_prompts_are_refused_before_tokenizing(
+    request_message: gateway_pb2.GenerateRequest, field: str, says: str
+) -> None:
+    for check_size in (lambda: check_prompt_size(request_message, LIMITS),
+                       lambda: validate_request(request_message, LIMITS, NeverTokenizes())):
+        with pytest.raises(InvalidArgument) as caught:
+            check_size()
+        assert caught.value.field == field and says in caught.value.message

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.model import InvalidModelInput, SamplingParams, finish_reason, sample
-from services.model.sampler import filter_logits
+from services.model.sampler import sampling_probs
 
 torch.set_num_threads(1)
 
@@ -44,11 +44,11 @@ def test_top_k_restricts_support():
 
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
-    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.75)).isfinite()
+    kept = sampling_probs(logits, SamplingParams(temperature=1.0, top_p=0.75)) > 0
     assert kept.tolist() == [False, True, False, True]
-    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.85)).isfinite()
+    kept = sampling_probs(logits, SamplingParams(temperature=1.0, top_p=0.85)) > 0
     assert kept.tolist() == [False, True, True, True]
-    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.01)).isfinite()
+    kept = sampling_probs(logits, SamplingParams(temperature=1.0, top_p=0.01)) > 0
     assert kept.tolist() == [False, True, False, False]
     draws = set(_draws(logits, SamplingParams(temperature=1.0, top_p=0.75, seed=1), range(200)))
     assert draws == {1, 3}

@@ -7,17 +7,22 @@ from dataclasses import replace
 
 import pytest
 
+from services.gateway.policies import ManifestResolver
+from services.gateway.validation import ManifestChoice
+from services.kvpolicy.fit import Deployment, ManifestUnfit
 from services.kvpolicy.manifest import (
     DType,
     KVVisibilityPolicyManifest,
     TensorContract,
     default_manifests,
 )
-from services.policy import NotFound, PolicyUnavailable
+from services.policy import NotFound, PolicyClient, PolicyUnavailable
 from services.policy.manifests import ManifestCache
 from services.policy.types import ManifestRef, StoredManifest
+from services.rpc.errors import InvalidArgument
 
-MANIFESTS = default_manifests(TensorContract(2, 4, 2, 16, DType.FLOAT32, DType.FLOAT32))
+SERVED = TensorContract(2, 4, 2, 16, DType.FLOAT32, DType.FLOAT32)
+MANIFESTS = default_manifests(SERVED)
 
 
 class FakePolicy:
@@ -38,7 +43,7 @@ class FakePolicy:
 
     async def list_manifests(self, name: str = "", *, timeout_s: float | None = None) -> list[ManifestRef]:
         self.lists += 1
-        return [ManifestRef(m.sha256, m.name, m.policy_generation) for m in self.stored.values()
+        return [ManifestRef(sha, m.name, m.policy_generation) for sha, m in self.stored.items()
                 if name in ("", m.name)]
 
 
@@ -85,3 +90,65 @@ async def test_missing_and_mismatched_manifests_are_typed_errors() -> None:
     policy.stored["ab" * 32] = full  # the service answers another manifest than asked for
     with pytest.raises(PolicyUnavailable):
         await cache.get("ab" * 32)
+
+
+def unfit_generation(manifest: KVVisibilityPolicyManifest, generation: int) -> KVVisibilityPolicyManifest:
+    """`manifest` as a newer generation for another head_dim (issue 15: it broke the name)."""
+    return replace(manifest, policy_generation=generation, policy_manifest_id=f"{manifest.name}@{generation}",
+                   tensor=replace(manifest.tensor, head_dim=manifest.tensor.head_dim * 2))
+
+
+async def test_a_name_resolves_to_its_newest_generation_that_fits_the_deployment() -> None:
+    snapkv = MANIFESTS["snapkv"]
+    fitting = replace(snapkv, policy_generation=2, policy_manifest_id="snapkv@2")
+    unfit = unfit_generation(snapkv, 3)
+    policy = FakePolicy([snapkv, fitting, unfit])
+    now = [0.0]
+    cache = ManifestCache(policy, deployment=Deployment(SERVED), name_ttl_s=5.0,  # type: ignore[arg-type]
+                          clock=lambda: now[0])
+    assert (await cache.ref("snapkv")).sha256 == fitting.sha256
+    assert (await cache.ref("snapkv", 3)).sha256 == unfit.sha256  # asked for: the caller's fit check says no
+    now[0] = 10.0
+    assert (await cache.ref("snapkv")).sha256 == fitting.sha256
+    assert policy.fetches.count(unfit.sha256) == 1, "an unfit verdict is final: fetched once"
+    # Without a deployment the newest generation is served, whatever it declares.
+    assert (await ManifestCache(policy).ref("snapkv")).sha256 == unfit.sha256  # type: ignore[arg-type]
+
+
+async def test_unreadable_generations_are_skipped_and_no_fit_is_a_typed_error() -> None:
+    snapkv = MANIFESTS["snapkv"]
+    policy = FakePolicy([snapkv, unfit_generation(snapkv, 2)])
+    unreadable = "e" * 64  # a stored JSON this build cannot parse (e.g. written by a newer one)
+    policy.stored[unreadable] = replace(snapkv, policy_generation=4, policy_manifest_id="snapkv@4")
+    original = policy.get_manifest
+
+    async def get_manifest(sha256: str, *, timeout_s: float | None = None) -> StoredManifest:
+        stored = await original(sha256, timeout_s=timeout_s)
+        return replace(stored, canonical_json=b'{"schema_version": 99}') if sha256 == unreadable else stored
+
+    policy.get_manifest = get_manifest  # type: ignore[method-assign]
+    cache = ManifestCache(policy, deployment=Deployment(SERVED))  # type: ignore[arg-type]
+    assert (await cache.ref("snapkv")).sha256 == snapkv.sha256
+    lonely = FakePolicy([unfit_generation(MANIFESTS["full"], 2)])
+    with pytest.raises(ManifestUnfit, match="no generation fits") as caught:
+        await ManifestCache(lonely, deployment=Deployment(SERVED)).ref("full")  # type: ignore[arg-type]
+    assert caught.value.field == "tensor.head_dim"
+
+
+async def test_the_gateway_keeps_serving_the_last_generation_that_fits(policy: PolicyClient) -> None:
+    """Real policy service (configured without a deployment, so the unfit generation is stored)."""
+    resolver = ManifestResolver(policy, SERVED, "snapkv", name_ttl_s=0.0)
+    assert (await resolver.resolve(ManifestChoice())).policy_generation == 1
+    unfit = unfit_generation(MANIFESTS["snapkv"], 2)
+    await policy.register_manifest(unfit.canonical_json())
+    for choice in (ManifestChoice(), ManifestChoice(name="snapkv")):
+        assert (await resolver.resolve(choice)).sha256 == MANIFESTS["snapkv"].sha256
+    with pytest.raises(InvalidArgument, match="does not fit") as caught:
+        await resolver.resolve(ManifestChoice(name="snapkv", policy_generation=2))
+    assert caught.value.field == "manifest.by_name.name"
+
+
+@pytest.fixture
+def manifests() -> dict[str, KVVisibilityPolicyManifest]:
+    """Registered by the `policy` fixture (tests/conftest.py)."""
+    return MANIFESTS

@@ -35,6 +35,7 @@ RAISES: dict[str, BaseException] = {
     "redis": redis.exceptions.ConnectionError("Connection refused"),
     "auth": redis.exceptions.AuthenticationError("invalid username-password pair"),
     "bug": RuntimeError("unexpected"),
+    "long": errors.InvalidArgument(f"{'v' * 10_000} is not valid", field="f" * 10_000),
 }
 
 
@@ -95,6 +96,60 @@ async def test_typed_errors_map_to_status_codes_with_detail(
     detail = errors.error_detail(failure.value)
     assert detail is not None and (detail.reason, detail.field) == (reason, field)
     assert detail.message and detail.message in failure.value.details()
+
+
+async def test_a_long_message_is_bounded_so_the_client_sees_the_real_status(channel: grpc.aio.Channel) -> None:
+    """Issue 15: a 10 KB echo made trailers the client refuses, so it saw RESOURCE_EXHAUSTED."""
+    stub = policy_pb2_grpc.PolicyServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.GetFence(policy_pb2.GetFenceRequest(request_id="long"), timeout=5.0)
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    detail = errors.error_detail(failure.value)
+    assert detail is not None and detail.field.startswith("fff") and detail.message.startswith("vvv")
+    assert len(detail.field.encode()) <= errors.MAX_FIELD_BYTES
+    assert len(detail.message.encode()) <= errors.MAX_MESSAGE_BYTES
+    assert len(failure.value.details()) <= errors.MAX_FIELD_BYTES + errors.MAX_MESSAGE_BYTES + 2
+
+
+def test_bounded_cuts_on_a_character_boundary() -> None:
+    status = errors.RpcStatus(grpc.StatusCode.INVALID_ARGUMENT,
+                              common_pb2.ErrorDetail(field="é" * 1000, message="€" * 1000))
+    cut = errors.bounded(status).detail
+    assert cut.field.endswith("…") and set(cut.field[:-1]) == {"é"}
+    assert len(cut.message.encode()) <= errors.MAX_MESSAGE_BYTES and set(cut.message[:-1]) == {"€"}
+
+
+def chat_with_bad_utf8() -> bytes:
+    message = gateway_pb2.GenerateRequest(
+        chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="QQQQ")]))
+    return message.SerializeToString().replace(b"QQQQ", b"\xff\xfe\xff\xfe")
+
+
+@pytest.mark.parametrize(
+    ("method", "payload", "field"),
+    [
+        ("/kvrelay.v1.PolicyService/GetFence", b"\x0a\x02\xff\xfe", "request_id"),
+        ("/kvrelay.v1.PolicyService/GetFence", b"\x0a\xff\xff", "request"),
+        ("/kvrelay.v1.Gateway/Generate", chat_with_bad_utf8(), "chat.messages.content"),
+        ("/kvrelay.v1.Gateway/Generate", b"\x0a\x05ab", "request"),
+    ],
+    ids=["string not UTF-8", "corrupt wire format", "nested string not UTF-8 (stream)", "truncated (stream)"],
+)
+async def test_a_request_that_does_not_parse_is_invalid_argument_naming_what_failed(
+    channel: grpc.aio.Channel, method: str, payload: bytes, field: str
+) -> None:
+    """Issue 15: grpc reported these as UNKNOWN "DecodeError" without a detail."""
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        if method.endswith("Generate"):
+            async for _ in channel.unary_stream(method)(payload, timeout=5.0):
+                pass
+        else:
+            await channel.unary_unary(method)(payload, timeout=5.0)
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+    detail = errors.error_detail(failure.value)
+    assert detail is not None and detail.field == field
+    assert detail.reason == common_pb2.ERROR_REASON_REQUEST_INVALID
+    assert ("UTF-8" if field != "request" else "could not be parsed") in detail.message
 
 
 async def test_stale_generation_carries_the_current_fence(channel: grpc.aio.Channel) -> None:
