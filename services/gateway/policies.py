@@ -10,10 +10,17 @@ workers repeat); an unknown or unfit one is INVALID_ARGUMENT. A name without a g
 resolves to its newest generation that fits, so a newer registration this deployment cannot
 run leaves the name serving the generation before it. Lookups go through the shared
 `services.policy.manifests.ManifestCache`: by sha cached forever, by name for a short TTL.
+
+A policy service that comes back with an empty store and no journal (a non-persistent Redis
+and a restarted service) has forgotten the defaults; a resolver made with
+`restore_defaults=True` registers them again (at most once per `restore_interval_s`) when a
+default policy is not found, and retries once, so no gateway restart is needed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,6 +31,8 @@ from services.offload.recall import RecallKnobs, with_recall
 from services.policy import ManifestConflict, NotFound, PolicyClient, Registration
 from services.policy.manifests import ManifestCache
 from services.rpc.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 # `snapkv-recall`: `snapkv` whose omitted rows stay in the prefill worker's offload store,
 # recalled page by page when a decode query's bound on their attention mass passes 0.9.
@@ -41,6 +50,10 @@ def served_manifests(served: TensorContract) -> dict[str, KVVisibilityPolicyMani
     manifests = default_manifests(served)
     recall = with_recall(manifests["snapkv"], SERVED_RECALL_KNOBS)
     return {**manifests, recall.name: recall}
+
+
+class UnknownPolicy(InvalidArgument):
+    """The client's choice names no stored manifest (INVALID_ARGUMENT naming the field)."""
 
 
 class DefaultManifestConflict(RuntimeError):
@@ -76,8 +89,19 @@ class ManifestResolver:
         name_ttl_s: float = 5.0,
         timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        restore_defaults: bool = False,
+        restore_interval_s: float = 1.0,
     ) -> None:
         self.client = client
+        self.served = served
+        self.restore_defaults = restore_defaults
+        self.restores = 0
+        self._defaults = frozenset(served_manifests(served)) if restore_defaults else frozenset()
+        self._restore_interval_s = restore_interval_s
+        self._restored_at = float("-inf")
+        self._restore_lock = asyncio.Lock()
+        self._timeout_s = timeout_s
+        self._clock = clock
         # The gateway holds no rows; whether a prefill worker keeps recallable_remote rows is
         # that worker's check (the same one).
         self.deployment = Deployment(served)
@@ -87,6 +111,28 @@ class ManifestResolver:
 
     async def resolve(self, choice: ManifestChoice) -> KVVisibilityPolicyManifest:
         """INVALID_ARGUMENT naming the choice's field for an unknown or unfit manifest."""
+        name = choice.name or self.default_policy
+        try:
+            return await self._resolve(choice)
+        except UnknownPolicy:
+            if choice.sha256 or name not in self._defaults or not await self._restore():
+                raise
+            return await self._resolve(choice)
+
+    async def _restore(self) -> bool:
+        """Register the defaults again unless that was done within `restore_interval_s`; True
+        when they were (re-)registered now."""
+        async with self._restore_lock:
+            if self._clock() - self._restored_at < self._restore_interval_s:
+                return False
+            self._restored_at = self._clock()
+            created = await register_defaults(self.client, self.served, timeout_s=self._timeout_s)
+            self.restores += 1
+            log.warning("default manifests were missing at the policy service; %d registered again",
+                        sum(r.created for r in created))
+            return True
+
+    async def _resolve(self, choice: ManifestChoice) -> KVVisibilityPolicyManifest:
         if choice.sha256:
             return await self._fitting(choice.sha256, "manifest.sha256")
         name = choice.name or self.default_policy
@@ -95,7 +141,7 @@ class ManifestResolver:
             ref = await self.manifests.ref(name, choice.policy_generation)
         except NotFound as exc:
             wrong = "manifest.by_name.policy_generation" if exc.field == "policy_generation" else field
-            raise InvalidArgument(exc.message, field=wrong) from None
+            raise UnknownPolicy(exc.message, field=wrong) from None
         except ManifestUnfit as exc:
             raise InvalidArgument(_unfit(name, exc), field=field) from None
         return await self._fitting(ref.sha256, field)
@@ -104,7 +150,7 @@ class ManifestResolver:
         try:
             manifest = await self.manifests.get(sha256)
         except NotFound:
-            raise InvalidArgument("no manifest is registered under this sha256", field=field) from None
+            raise UnknownPolicy("no manifest is registered under this sha256", field=field) from None
         try:
             check_fits(manifest, self.deployment)
         except ManifestUnfit as exc:

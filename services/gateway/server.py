@@ -102,7 +102,8 @@ class GatewayServer:
             orchestrator = Orchestrator(
                 policy,
                 ManifestResolver(policy, served.contract, config.default_policy,
-                                 name_ttl_s=config.manifest_cache_ttl_s, timeout_s=config.policy_timeout_s),
+                                 name_ttl_s=config.manifest_cache_ttl_s, timeout_s=config.policy_timeout_s,
+                                 restore_defaults=config.register_default_manifests),
                 *pools,
                 decode_text=lambda ids: served.tokenizer.decode(list(ids)),
                 deadlines=Deadlines(config.prefill_timeout_s, config.first_event_timeout_s,

@@ -3,18 +3,23 @@ resolves to a stored manifest that fits the served checkpoint (or INVALID_ARGUME
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
 
+from policy_service.config import PolicyServiceConfig
 from policy_service.server import PolicyServer
 from services.gateway.policies import DefaultManifestConflict, ManifestResolver, register_defaults
 from services.gateway.validation import ManifestChoice
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import DType, TensorContract, default_manifests
 from services.policy import PolicyClient, PolicyClientConfig
+from services.redis_embedded import EmbeddedRedis
 from services.rpc.errors import InvalidArgument
+from services.rpc.server import ServerConfig
 
 SERVED = TensorContract(2, 4, 2, 16, DType.FLOAT32, DType.FLOAT32, q_to_kv_head_map=(0, 0, 1, 1))
 OTHER = TensorContract(3, 4, 2, 16, DType.FLOAT32, DType.FLOAT32, q_to_kv_head_map=(0, 0, 1, 1))
@@ -104,3 +109,36 @@ async def test_unknown_default_policy_is_reported_against_manifest(client: Polic
     with pytest.raises(InvalidArgument, match="registered: none") as caught:
         await ManifestResolver(client, SERVED, "snapkv").resolve(ManifestChoice())
     assert caught.value.field == "manifest"
+
+
+async def test_defaults_come_back_when_the_policy_service_lost_them(
+    policy_server: PolicyServer, redis_server: EmbeddedRedis
+) -> None:
+    """A policy service restarted over an empty store without a journal has forgotten the
+    defaults; the resolver registers them again and the request resolves, no gateway restart."""
+    port = int(policy_server.address.rsplit(":", 1)[1])
+    async with PolicyClient(PolicyClientConfig(policy_server.address, timeout_s=5.0)) as client:
+        await register_defaults(client, SERVED, timeout_s=5.0)
+        resolver = ManifestResolver(client, SERVED, "snapkv", name_ttl_s=0.0, restore_defaults=True)
+        before = await resolver.resolve(ManifestChoice())
+        await policy_server.stop(0)
+        config = PolicyServiceConfig(
+            server=ServerConfig(port=port, shutdown_grace_s=0.2), redis_url=redis_server.url,
+            key_prefix=f"g{uuid.uuid4().hex[:12]}:",  # a store that holds nothing
+        )
+        restarted = await PolicyServer.start(config)
+        try:
+            after = await asyncio.wait_for(resolver.resolve(ManifestChoice()), timeout=10.0)
+            assert after.sha256 == before.sha256 and resolver.restores == 1
+            with pytest.raises(InvalidArgument):  # a name that is no default is not invented
+                await resolver.resolve(ManifestChoice(name="not-a-default"))
+            assert resolver.restores == 1
+        finally:
+            await restarted.stop(0)
+
+
+async def test_without_restore_a_lost_default_stays_an_invalid_argument(client: PolicyClient) -> None:
+    resolver = ManifestResolver(client, SERVED, "snapkv")
+    with pytest.raises(InvalidArgument) as caught:
+        await resolver.resolve(ManifestChoice())
+    assert caught.value.field == "manifest" and resolver.restores == 0
