@@ -22,17 +22,23 @@ import hashlib
 import json
 import math
 import re
-import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from enum import StrEnum
 from functools import cached_property
-from typing import Any, get_type_hints
+from typing import Any
 
 from services.echo import echo
 from services.kvpolicy.errors import ManifestInvalid
+from services.kvpolicy.manifest_json import (
+    MAX_ARRAY_ITEMS,
+    from_plain,
+    load_json,
+    normalize,
+    to_plain,
+)
 
 SCHEMA_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -45,7 +51,8 @@ _NAME = re.compile(rf"^[a-z0-9][a-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}$")
 # windows reach 10M tokens (Llama 4 Scout). Generations are stored as Lua numbers (IEEE doubles)
 # in Redis and sent as int64 on the wire, so they stay below 2**53.
 MAX_LAYERS = 1024
-MAX_HEADS = 1024  # query heads, hence K/V heads and entries of q_to_kv_head_map
+# query heads, hence K/V heads and entries of q_to_kv_head_map (the longest array)
+MAX_HEADS = MAX_ARRAY_ITEMS
 MAX_HEAD_DIM = 4096
 MAX_LAYER_HEADS = 2**17  # layers x query heads: how many (layer, head) owners a manifest may imply
 MAX_TOKENS = 2**24  # windows, sinks, budgets, pages, cadences: 16M positions
@@ -54,7 +61,6 @@ MAX_RECALL_TIMEOUT_MS = 3_600_000
 MAX_GENERATION = 2**53 - 1
 MAX_TEXT_CHARS = 256  # free-text identifiers: policy_manifest_id, handoff_id, consumer_schema
 # JSON integers longer than this are not parsed into Python ints at all (no field takes one).
-_MAX_INT_DIGITS = 24
 
 
 class DType(StrEnum):
@@ -260,7 +266,7 @@ class TensorContract:
     key_positional_stage: KeyPositionalStage = KeyPositionalStage.POST_ROPE
 
     def __post_init__(self) -> None:
-        _normalize(self, "tensor")
+        normalize(self, "tensor")
         self._check_sizes()
         custom = self.gqa_grouping is GQAGrouping.CUSTOM
         if custom and not self.q_to_kv_head_map:
@@ -354,7 +360,7 @@ class ProtectedRule:
     observation_suffix: bool = False
 
     def __post_init__(self) -> None:
-        _normalize(self, "selection.protected")
+        normalize(self, "selection.protected")
         _in_range("selection.protected.sinks", self.sinks, 0, MAX_TOKENS)
 
 
@@ -370,7 +376,7 @@ class BudgetSpec:
     fraction: float | None = None
 
     def __post_init__(self) -> None:
-        _normalize(self, "selection.budget")
+        normalize(self, "selection.budget")
         if (self.rows_per_owner is None) == (self.fraction is None):
             _fail("selection.budget", "exactly one of rows_per_owner and fraction must be set")
         _optional_in_range("selection.budget.rows_per_owner", self.rows_per_owner, 1, MAX_TOKENS)
@@ -399,7 +405,7 @@ class SnapKVParams:
     gqa_order: GQAOrder = GQAOrder.POOL_THEN_REDUCE
 
     def __post_init__(self) -> None:
-        _normalize(self, "selection.snapkv")
+        normalize(self, "selection.snapkv")
         _in_range("selection.snapkv.observation_window", self.observation_window, 1, MAX_TOKENS)
         kernel_path = "selection.snapkv.pooling_kernel"
         _in_range(kernel_path, self.pooling_kernel, 1, MAX_POOLING_KERNEL)
@@ -481,7 +487,7 @@ class AllocationSpec:
     cap_rows: int | None = None
 
     def __post_init__(self) -> None:
-        _normalize(self, "selection.allocation")
+        normalize(self, "selection.allocation")
         allowed = _ALLOCATION_PARAMS[self.method]
         for name in ("beta", "uniform_share", "b_min", "coverage", "headkv_profile_sha256"):
             _required_iff(
@@ -557,7 +563,7 @@ class SelectionContract:
     allocation: AllocationSpec | None = None
 
     def __post_init__(self) -> None:
-        _normalize(self, "selection")
+        normalize(self, "selection")
         method = self.method
         is_snapkv = method is SelectionMethod.SNAPKV
         is_static_window = method in (SelectionMethod.SLIDING_WINDOW, SelectionMethod.SINK_RECENT)
@@ -683,7 +689,7 @@ class RepresentationContract:
     consumer_schema: str | None = None
 
     def __post_init__(self) -> None:
-        _normalize(self, "representation")
+        normalize(self, "representation")
         _text("representation.consumer_schema", self.consumer_schema)
         replacement = self.rows is RowKind.REPLACEMENT_ROWS
         if replacement != (self.fidelity is Fidelity.LOSSY_REPLACEMENT):
@@ -730,7 +736,7 @@ class RecoverabilityContract:
     )
 
     def __post_init__(self) -> None:
-        _normalize(self, "recoverability")
+        normalize(self, "recoverability")
         for name in self._RECALL_FIELDS:
             _required_iff(
                 f"recoverability.{name}",
@@ -790,7 +796,7 @@ class QualityContract:
     on_capacity_exhausted: CapacityAction = CapacityAction.RETRY_OTHER_WORKER
 
     def __post_init__(self) -> None:
-        _normalize(self, "quality")
+        normalize(self, "quality")
 
 
 @dataclass(frozen=True)
@@ -810,7 +816,7 @@ class KVVisibilityPolicyManifest:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        _normalize(self, "")
+        normalize(self, "")
         self.validate()
 
     def validate(self) -> None:
@@ -862,26 +868,21 @@ class KVVisibilityPolicyManifest:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVVisibilityPolicyManifest:
         """Build and validate from plain JSON data; unknown fields and enum values are rejected."""
-        manifest = _from_plain(cls, data, "")
+        manifest = from_plain(cls, data, "")
         assert isinstance(manifest, cls)
         return manifest
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVVisibilityPolicyManifest:
         try:
-            data = json.loads(
-                text,
-                object_pairs_hook=_no_duplicate_keys,
-                parse_constant=_no_constants,
-                parse_int=_parse_int,
-            )
+            data = load_json(text)
         except json.JSONDecodeError as exc:
             raise ManifestInvalid("manifest", f"not valid JSON: {exc}") from exc
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data (every field present, enums as strings, tuples as lists)."""
-        plain = _to_plain(self)
+        plain = to_plain(self)
         assert isinstance(plain, dict)
         return plain
 
@@ -931,7 +932,7 @@ def cache_abi_sha256(tensor: TensorContract) -> str:
         tensor = TensorContract(
             **{**_shallow(tensor), "q_to_kv_head_map": tensor.resolved_q_to_kv_head_map()}
         )
-    body = {"abi": "kvrelay.logical_cache.v1", "tensor": _to_plain(tensor)}
+    body = {"abi": "kvrelay.logical_cache.v1", "tensor": to_plain(tensor)}
     return hashlib.sha256(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
@@ -1035,143 +1036,3 @@ def _snapkv_selection(
 
 def _shallow(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
-
-
-# Fields renamed since they were published: reading the old name would guess at its meaning.
-_RENAMED = {
-    "selection.allocation.alpha": "renamed uniform_share (its meaning: the share of the layer"
-    " budget spread uniformly; the Ada-KV paper's alpha is 1 - uniform_share)",
-}
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _from_plain(cls: type, data: Any, path: str) -> Any:
-    """Convert plain data to dataclass `cls`, naming the dotted path of the first bad field."""
-    if not isinstance(data, Mapping):
-        _fail(path or "manifest", f"expected an object, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(str(k) for k in data if k not in known)
-    if unknown:
-        sub = _join(path, _key(unknown[0]))
-        _fail(sub, _RENAMED.get(sub, "unknown field"))
-    hints = get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in fields(cls):
-        sub = _join(path, f.name)
-        if f.name in data:
-            kwargs[f.name] = _convert(hints[f.name], data[f.name], sub)
-        elif f.default is MISSING and f.default_factory is MISSING:
-            _fail(sub, "missing required field")
-    return cls(**kwargs)
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        if value is None:
-            return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _convert(inner, value, path)
-    if typing.get_origin(tp) is tuple:
-        if not isinstance(value, list | tuple):
-            _fail(path, f"expected an array, got {type(value).__name__}")
-        if len(value) > MAX_HEADS:  # the longest array is q_to_kv_head_map, [H_q]
-            _fail(path, f"has {len(value)} entries, more than the limit of {MAX_HEADS}")
-        item_type = typing.get_args(tp)[0]
-        return tuple(_convert(item_type, v, f"{path}[{i}]") for i, v in enumerate(value))
-    if isinstance(tp, type) and issubclass(tp, StrEnum):
-        allowed = [m.value for m in tp]
-        if not isinstance(value, str) or value not in allowed:
-            _fail(path, f"unknown value {echo(value)}; expected one of {allowed}")
-        return tp(value)
-    if isinstance(tp, type) and is_dataclass(tp):
-        return _from_plain(tp, value, path)
-    return _convert_scalar(tp, value, path)
-
-
-def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
-    if tp is bool:
-        if not isinstance(value, bool):
-            _fail(path, f"expected a boolean, got {echo(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, _LongInteger):
-            _fail(path, f"{value!r} is out of range")
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, f"expected an integer, got {echo(value)}")
-        return value
-    if tp is float:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            _fail(path, f"expected a finite number, got {echo(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(path, f"expected a string, got {echo(value)}")
-        return value
-    raise TypeError(f"unsupported manifest field type {tp!r} at {path}")
-
-
-def _normalize(obj: Any, prefix: str) -> None:
-    """Accept plain strings for enum fields and lists for tuple fields from Python callers."""
-    hints = get_type_hints(type(obj))
-    for f in fields(obj):
-        tp, value = hints[f.name], getattr(obj, f.name)
-        if isinstance(value, list) or (
-            isinstance(value, str) and not isinstance(value, StrEnum) and _is_enum_type(tp)
-        ):
-            object.__setattr__(obj, f.name, _convert(tp, value, _join(prefix, f.name)))
-
-
-def _is_enum_type(tp: Any) -> bool:
-    candidates = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
-    return any(isinstance(c, type) and issubclass(c, StrEnum) for c in candidates)
-
-
-def _to_plain(obj: Any) -> Any:
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, StrEnum):
-        return obj.value
-    if isinstance(obj, tuple | list):
-        return [_to_plain(v) for v in obj]
-    return obj
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            _fail(_key(key), "duplicate key in JSON object")
-        out[key] = value
-    return out
-
-
-def _key(key: str) -> str:
-    """A JSON object key as a field path element: bounded like an echoed value."""
-    return key if len(key) <= MAX_NAME_CHARS else f"{key[:MAX_NAME_CHARS]}…"
-
-
-class _LongInteger:
-    """A JSON integer too long for any field, kept unparsed: converting a 5000-digit string
-    costs time (Python refuses past 4300 digits) and no bound admits it anyway."""
-
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
-
-    def __repr__(self) -> str:
-        return f"<an integer of {self.digits} digits>"
-
-
-def _parse_int(text: str) -> int | _LongInteger:
-    digits = len(text.lstrip("-"))
-    return _LongInteger(digits) if digits > _MAX_INT_DIGITS else int(text)
-
-
-def _no_constants(token: str) -> Any:
-    _fail("manifest", f"JSON constant {token} is not allowed")
