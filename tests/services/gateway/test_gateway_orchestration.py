@@ -476,7 +476,7 @@ async def test_big_prompts_do_not_stall_an_unrelated_request(deploy, long_contex
         assert isinstance(outcome, grpc.aio.AioRpcError) and outcome.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "tokens exceeds the model maximum" in (outcome.details() or "")
     assert len(latencies) >= 3, latencies  # short requests were served while the big ones tokenized
-    assert max(latencies) < 0.5, latencies
+    assert max(latencies) < 0.9, latencies  # below one big tokenization (~1 s)
     with pytest.raises(grpc.aio.AioRpcError) as caught:  # beyond 65535 x 64 bytes: refused untokenized
         await collect(d.stub.Generate(gateway_pb2.GenerateRequest(text="é" * 2_100_000)))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -120,7 +120,7 @@ def test_huge_shapes_are_refused_before_anything_is_expanded(changes: dict[str, 
     text = json.dumps(data)
     started = time.perf_counter()
     refused(text, field)
-    assert time.perf_counter() - started < 0.1
+    assert time.perf_counter() - started < 1.0  # the defect took 4 s; this bounds blocking, it is no benchmark
 
 
 def test_a_5000_digit_integer_is_refused_naming_its_field() -> None:
