@@ -224,7 +224,7 @@ def _joined(first: PhaseMemory, others: Iterable[PhaseMemory]) -> PhaseMemory:
 
 def _dense_cache(loaded: LoadedModel, scratch: Path, steps: int) -> tuple[DecodeCache, int, int]:
     """The full cache: every prompt position of every (layer, K/V head)."""
-    dense = torch.load(scratch / "dense.pt")
+    dense = torch.load(scratch / "dense.pt", weights_only=True)
     keys, values = dense.pop("k"), dense.pop("v")  # [L, H_kv, T, d_h]
     cache = _new_cache(loaded, keys.shape[2] + steps + 1)
     cache.admit_dense("bench", keys, values)
@@ -236,7 +236,7 @@ def _view_cache(
     loaded: LoadedModel, scratch: Path, budget: float, context: int, steps: int
 ) -> tuple[DecodeCache, int, int]:
     """A cache admitted from the packed view of `budget` (rows keep their original positions)."""
-    view = PackedKVView(**torch.load(scratch / f"view-{budget}.pt"))
+    view = PackedKVView(**torch.load(scratch / f"view-{budget}.pt", weights_only=True))
     longest = max(
         view.rows(layer, head).stop - view.rows(layer, head).start
         for layer in range(view.num_layers)
