@@ -40,7 +40,6 @@ from services.transfer import (
     KVSender,
     OffloadRef,
     PairLease,
-    PairRoute,
     SendTransfer,
     SidecarLayout,
     TransferDescriptor,
@@ -52,6 +51,7 @@ from services.transfer import (
     layer_of,
 )
 from services.transfer.codec import handoff_to_proto
+from services.transfer.descriptor import check_store_address
 from services.transfer.pairgroup import backend_for
 
 _MIN_CALL_S = 0.001
@@ -166,7 +166,7 @@ class DecodeHandoff:
         request = decode_pb2.GetTransferEndpointRequest(source_worker=self.sender.worker_id)
         reply = await self._stub(address).GetTransferEndpoint(request, timeout=self._call_timeout(deadline))
         endpoint = Endpoint(reply.rendezvous_address, reply.decode_worker, tuple(reply.backends))
-        PairRoute(endpoint.rendezvous_address, self._backend, 1)  # host:port, or DescriptorInvalid
+        check_store_address(endpoint.rendezvous_address)  # host:port, or DescriptorInvalid
         if endpoint.backends and self._backend not in endpoint.backends:
             raise Refused(f"it receives on {list(endpoint.backends)}, this worker sends with {self._backend}")
         self._endpoints[address] = endpoint

@@ -7,7 +7,9 @@ transfer layer (reserve, descriptor over a pipe standing in for gRPC, layer-by-l
 send, full receive and validation) and once as raw bytes over a warm TCP connection
 (the same tensors, `sendall` / `recv_into`), interleaved so both see the same machine
 load. A repeat ends when the receiver's acknowledgement arrives. The first transfer also
-builds the pair group and is reported apart (`cold_s`); throughput counts warm repeats.
+builds the pair group and is reported apart (`cold_s`), with the part of it the sender spent
+proving the group's key (`auth_s`: the nonce and HMAC swap, once per new group; transfers on
+a group that is already up add no round trip); throughput counts warm repeats.
 
 Each repeat also times the receipt's payload digest (XXH3-128 of every layer's K and V bytes,
 `services.kvpolicy.receipt`) on both sides, outside the transfer's timing: the sender digests
@@ -82,6 +84,7 @@ class TransferBenchResult:
     full_view_s: tuple[float, ...]  # receiver: start_recv -> validated view
     digest_send_s: tuple[float, ...] = ()  # sender: payload digest of the view (warm repeats)
     digest_recv_s: tuple[float, ...] = ()  # receiver: the view that arrived checked against it
+    auth_s: float = 0.0  # sender: the pair group's key handshake, inside `cold_s`
 
     @property
     def gloo_bytes_per_s(self) -> float:
@@ -170,6 +173,11 @@ def print_transfer_report(result: TransferBenchResult, json_out: Path | None = N
         f" of the transfer, sender {statistics.median(result.digest_send_s) * 1e3:.1f} ms"
         f" = {result.digest_send_fraction:.1%} (medians of warm repeats)"
     )
+    print(
+        f"pair-group authentication (nonce + HMAC-SHA256 proof swap, once per new group):"
+        f" {result.auth_s * 1e3:.2f} ms = {result.auth_s / result.cold_s:.2%} of the first transfer;"
+        f" warm transfers on the group add none"
+    )
     if json_out is not None:
         payload = asdict(result) | {
             "gloo_bytes_per_s": result.gloo_bytes_per_s,
@@ -185,11 +193,11 @@ def _measure(
     config: TransferBenchConfig, view: PackedKVView, conn: Connection, sender: KVSender,
     store_address: str, sock: socket.socket,
 ) -> TransferBenchResult:
-    cold_s, _, _ = _transfer_once(config, view, conn, sender, store_address, "cold")
+    cold_s, _, _, auth_s = _transfer_once(config, view, conn, sender, store_address, "cold")
     _copy_once(view, conn, sock)  # warm the TCP path too
     gloo_s, tcp_s, receiver_times, digest_send_s = [], [], [], []
     for repeat in range(config.repeats):
-        seconds, times, digest_s = _transfer_once(config, view, conn, sender, store_address, f"warm-{repeat}")
+        seconds, times, digest_s, _ = _transfer_once(config, view, conn, sender, store_address, f"warm-{repeat}")
         gloo_s.append(seconds)
         receiver_times.append(times)
         digest_send_s.append(digest_s)
@@ -205,15 +213,17 @@ def _measure(
         full_view_s=tuple(t[1] for t in receiver_times),
         digest_send_s=tuple(digest_send_s),
         digest_recv_s=tuple(t[2] for t in receiver_times),
+        auth_s=auth_s if auth_s is not None else float("nan"),
     )
 
 
 def _transfer_once(
     config: TransferBenchConfig, view: PackedKVView, conn: Connection, sender: KVSender,
     store_address: str, transfer_id: str,
-) -> tuple[float, tuple[float, float, float], float]:
+) -> tuple[float, tuple[float, float, float], float, float | None]:
     """One transfer through the pair group: (seconds until the receiver acknowledged, the
-    receiver's (first layer, full view, payload check) seconds, the sender's digest seconds)."""
+    receiver's (first layer, full view, payload check) seconds, the sender's digest seconds,
+    the group's key handshake seconds)."""
     digest_started = time.perf_counter()
     payload = payload_digest(view)
     digest_s = time.perf_counter() - digest_started
@@ -240,7 +250,7 @@ def _transfer_once(
     _, received, first_layer_s, full_view_s, check_s = _expect(conn, "received", config.deadline_s)
     elapsed = time.perf_counter() - started
     assert received == transfer.bytes_moved == descriptor.layout.nbytes, "bytes moved differ from the layout"
-    return elapsed, (first_layer_s, full_view_s, check_s), digest_s
+    return elapsed, (first_layer_s, full_view_s, check_s), digest_s, lease.group.auth_s
 
 
 def _copy_once(view: PackedKVView, conn: Connection, sock: socket.socket) -> float:

@@ -166,6 +166,7 @@ def descriptor_to_proto(descriptor: TransferDescriptor) -> decode_pb2.TransferDe
             for s in descriptor.tensors()
         ],
         rendezvous_address=descriptor.route.to_address(),
+        rendezvous_secret=descriptor.route.secret,
         source_worker=descriptor.source_worker,
         trace_context=descriptor.trace_carrier(),
         page_size=descriptor.sidecar.page_size if descriptor.sidecar is not None else 0,
@@ -195,7 +196,7 @@ def descriptor_from_proto(message: decode_pb2.TransferDescriptor) -> TransferDes
         cache_generation=generations.cache_generation,
         receipt_digest=message.receipt.digest,
         source_worker=message.source_worker,
-        route=PairRoute.parse(message.rendezvous_address),
+        route=PairRoute.parse(message.rendezvous_address, message.rendezvous_secret),
         layout=layout,
         trace_context=tuple(message.trace_context.items()),
         sidecar=sidecar_from_specs(sidecar_specs, message.page_size, layout.v_dtype),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import RecoverabilityMode
@@ -28,6 +28,7 @@ BACKENDS = ("gloo", "nccl")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _PAYLOAD_HEX = re.compile(r"[0-9a-f]{16,128}")  # a payload digest (xxh3-128: 32)
 _HASH_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
+_SECRET = re.compile(r"[0-9a-f]{64}")  # 32 random bytes, hex
 _ADDRESS = re.compile(r"(?P<host>[^/\s]+):(?P<port>\d{1,5})/(?P<backend>[a-z]+)/(?P<epoch>\d{1,19})")
 
 
@@ -38,20 +39,26 @@ class PairRoute:
     `store_address` is the decode worker's TCPStore ("host:port"); `epoch` names one
     incarnation of the (sender, backend) group inside it. Epochs are random, not counters,
     so a restarted worker on either side can never meet a group it did not create.
+    `secret` (32 random bytes, hex) is the group's key: the sender draws it with the epoch,
+    it reaches the decode worker only inside the descriptor (over gRPC, never through the
+    store), and both ranks prove they hold it before any tensor moves (`pairgroup`). It is
+    left out of `repr` so that errors and logs never carry it.
     """
 
     store_address: str
     backend: str
     epoch: int
+    secret: str = field(repr=False)
 
     def __post_init__(self) -> None:
-        host, _, port = self.store_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-            raise DescriptorInvalid("rendezvous_address", f"{self.store_address!r} is not host:port")
+        check_store_address(self.store_address)
         if self.backend not in BACKENDS:
             raise DescriptorInvalid("rendezvous_address.backend", f"{self.backend!r} not in {BACKENDS}")
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or not 0 < self.epoch < 2**63:
             raise DescriptorInvalid("rendezvous_address.epoch", f"must be a positive int64, got {self.epoch!r}")
+        if not isinstance(self.secret, str) or not _SECRET.fullmatch(self.secret):
+            # The value is not echoed: a near-miss of a secret is still a secret.
+            raise DescriptorInvalid("rendezvous_secret", "must be 64 lowercase hex digits")
 
     @property
     def host(self) -> str:
@@ -66,11 +73,20 @@ class PairRoute:
         return f"{self.store_address}/{self.backend}/{self.epoch}"
 
     @classmethod
-    def parse(cls, address: str) -> PairRoute:
+    def parse(cls, address: str, secret: str) -> PairRoute:
+        """The route of a wire `rendezvous_address` and `rendezvous_secret`."""
         match = _ADDRESS.fullmatch(address)
         if match is None:
             raise DescriptorInvalid("rendezvous_address", f"{address!r} is not host:port/backend/epoch")
-        return cls(f"{match['host']}:{match['port']}", match["backend"], int(match["epoch"]))
+        store_address = f"{match['host']}:{match['port']}"
+        return cls(store_address, match["backend"], int(match["epoch"]), secret)
+
+
+def check_store_address(address: str) -> None:
+    """DescriptorInvalid unless `address` is a rendezvous store's "host:port"."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        raise DescriptorInvalid("rendezvous_address", f"{address!r} is not host:port")
 
 
 @dataclass(frozen=True)

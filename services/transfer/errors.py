@@ -53,6 +53,11 @@ class PeerLost(TransferError):
     """The other worker went away (connection closed, store unreachable, group closed)."""
 
 
+class PeerUnauthenticated(TransferError):
+    """The peer that joined a pair group could not prove it holds the group's secret; the
+    group was torn down before any tensor was received."""
+
+
 class TransferMismatch(TransferError):
     """What was sent or received disagrees with the descriptor. `field` names the part."""
 

@@ -15,13 +15,27 @@ The receiver marks a group usable with an "open" key in its store and deletes it
 closes the group; a sender checks the key before reusing an idle group, so an eviction on
 the decode side is noticed before a descriptor names a dead group. (A sender's own close
 reaches the receiver as a closed connection; the receiver's group then idles out.)
+
+Security. The store binds only the decode worker's configured host (`RendezvousHost`), but
+anyone who reaches it can list, read and write every key, so store keys are not secret and
+nothing secret goes into the store. Each group has a key instead (`PairRoute.secret`): the
+sender draws it with the epoch and it reaches the decode worker inside the descriptor, over
+gRPC. Right after the backend connects, before a group is ready, both ranks exchange fresh
+nonces and then HMAC-SHA256 proofs over the group id, the prover's rank and both nonces, on
+the group's own connection (`_authenticate`). A peer without the key is torn down with
+`PeerUnauthenticated`; receives of a transfer are posted only on a ready group, so no tensor
+from it is ever received, and no tensor is sent to it. A stranger can still disrupt a
+rendezvous it finds in the store (the transfer then fails cleanly), but cannot join a group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import secrets
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +53,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.errors import (
     PairGroupsExhausted,
     PeerLost,
+    PeerUnauthenticated,
     TransferError,
     TransferKey,
     TransferTimeout,
@@ -53,6 +68,13 @@ _WORLD_SIZE = 2
 # A receive that is never matched; its 1 ms timeout is how a gloo group is torn down.
 _TEARDOWN_TAG = 2**31 - 1
 _TEARDOWN_WAIT = datetime.timedelta(milliseconds=1)
+# The two messages of the handshake that authenticates a group (distinct from every
+# transfer's tags, which stay below the sidecar's few tags above MAX_LAYERS * fields).
+_NONCE_TAG = 2**31 - 3
+_PROOF_TAG = 2**31 - 2
+_NONCE_BYTES = 32
+_AUTH_CONTEXT = b"kvrelay/pair-auth/v1"
+_LISTEN_BACKLOG = 128
 # gloo rounds timeouts to milliseconds, so a wait can give up just before its deadline.
 _TIMEOUT_SLACK_S = 0.05
 _CLOSED_MEMORY = 4096
@@ -76,6 +98,11 @@ def wire_tag(layer: int, field: int) -> int:
 def new_epoch() -> int:
     """A fresh, random group epoch (positive int64)."""
     return secrets.randbelow(2**62) + 1
+
+
+def new_secret() -> str:
+    """A fresh pair-group key: 32 random bytes as 64 lowercase hex digits."""
+    return secrets.token_hex(32)
 
 
 @dataclass(frozen=True)
@@ -128,13 +155,42 @@ class GroupId:
 
 class RendezvousHost:
     """The decode worker's TCPStore. Every pair group's rendezvous meets here; the store
-    does not wait for workers, so senders come and go."""
+    does not wait for workers, so senders come and go.
+
+    It listens on `host` only. TCPStore's own server binds every interface whatever host it
+    is given (torch 2.13 has no bind-address option), so the listening socket is made here,
+    bound to `host`, and handed over through `master_listen_fd`.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        listener = _listen(host, port)
+        bound_port = listener.getsockname()[1]
+        # The store owns the descriptor from here on (it closes it), so Python lets go of it.
         self.store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=_HOST_STORE_TIMEOUT
+            host,
+            bound_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_HOST_STORE_TIMEOUT,
+            master_listen_fd=listener.detach(),
         )
         self.address = f"{host}:{self.store.port}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`:`port` (port 0: any free one), first address of host."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(_LISTEN_BACKLOG)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def connect_store(address: str, deadline: Deadline) -> dist.TCPStore:
@@ -145,12 +201,21 @@ def connect_store(address: str, deadline: Deadline) -> dist.TCPStore:
 
 class PairGroup:
     """One two-rank process group. It connects in a background thread (`start_rendezvous`)
-    so that neither side's start verb blocks on the other; every wait takes a deadline."""
+    so that neither side's start verb blocks on the other; every wait takes a deadline.
+    `secret` is the group's key (`PairRoute.secret`); the group is ready only once the peer
+    proved it holds the same key."""
 
     def __init__(
-        self, group_id: GroupId, rank: int, store_address: str, device: torch.device, bind_host: str
+        self,
+        group_id: GroupId,
+        rank: int,
+        store_address: str,
+        device: torch.device,
+        bind_host: str,
+        secret: str,
     ) -> None:
         self.id = group_id
+        self.secret = secret
         self.rank = rank
         self.peer_rank = 1 - rank
         self.store_address = store_address
@@ -162,6 +227,7 @@ class PairGroup:
         self._backend: CommBackend | None = None
         self._store: dist.Store | None = None
         self.closed_reason: str | None = None
+        self.auth_s: float | None = None  # seconds the key handshake took, once connected
         # Bookkeeping of the owning pool, guarded by the pool's lock.
         self.users = 0
         self.last_used = 0.0
@@ -214,10 +280,7 @@ class PairGroup:
     def wait(self, work: dist.Work, deadline: Deadline, key: TransferKey) -> None:
         """Block until `work` completes; TransferTimeout at the deadline, PeerLost on error."""
         try:
-            if self.id.backend == "nccl":
-                _wait_nccl(work, deadline)
-            else:
-                work.wait(deadline.timedelta())
+            _wait_backend(work, self.id.backend, deadline)
         except RuntimeError as exc:
             raise self._translate(exc, deadline, key, "wait") from exc
 
@@ -238,6 +301,14 @@ class PairGroup:
             store = connect_store(self.store_address, deadline)
             backend = _connect(dist.PrefixStore(self.id.prefix, store), self.rank, self, deadline)
         except Exception as exc:  # noqa: BLE001 - any failure surfaces through wait_ready
+            self._settle(exc)
+            return
+        try:
+            started = time.perf_counter()
+            _authenticate(backend, self, deadline)
+            self.auth_s = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - any failure surfaces through wait_ready
+            _teardown(backend, self.id.backend, self.peer_rank)
             self._settle(exc)
             return
         with self._lock:
@@ -263,6 +334,8 @@ class PairGroup:
             return self._backend
 
     def _translate(self, exc: BaseException, deadline: Deadline | None, key: TransferKey, what: str) -> TransferError:
+        if isinstance(exc, _Unauthenticated):
+            return PeerUnauthenticated(key, f"{what}: pair group {self.id}: {exc}")
         if self.closed_reason is not None:
             return PeerLost(key, f"{what}: pair group {self.id} was closed ({self.closed_reason})")
         timed_out = "timed out" in str(exc).lower() or (
@@ -294,6 +367,70 @@ def _connect(store: dist.Store, rank: int, group: PairGroup, deadline: Deadline)
     backend = dist.ProcessGroupNCCL(store, rank, _WORLD_SIZE, options)
     backend.eager_connect_single_device(group.device)  # connect now, under the deadline
     return backend
+
+
+class _Unauthenticated(RuntimeError):
+    """The peer's proof did not verify (becomes `PeerUnauthenticated` with the key)."""
+
+
+def _authenticate(backend: CommBackend, group: PairGroup, deadline: Deadline) -> None:
+    """Mutual proof of the group's key on the group's own connection: swap fresh nonces,
+    then swap HMACs over (group id, prover's rank, verifier's nonce, prover's nonce). The rank
+    stops a proof being reflected back; the nonces, a proof being replayed into another group.
+    `_Unauthenticated` if the peer's proof is wrong."""
+    key = bytes.fromhex(group.secret)
+    own = secrets.token_bytes(_NONCE_BYTES)
+    peer = _exchange(backend, group, own, _NONCE_TAG, deadline, check=lambda _: None)
+    proof = _proof(key, group.id, group.rank, verifier_nonce=peer, prover_nonce=own)
+    expected = _proof(key, group.id, group.peer_rank, verifier_nonce=own, prover_nonce=peer)
+
+    def check(received: bytes) -> None:
+        if not hmac.compare_digest(received, expected):
+            raise _Unauthenticated("the peer did not prove it holds the group's secret")
+
+    _exchange(backend, group, proof, _PROOF_TAG, deadline, check)
+
+
+def _proof(
+    key: bytes, group_id: GroupId, rank: int, verifier_nonce: bytes, prover_nonce: bytes
+) -> bytes:
+    message = b"\0".join((_AUTH_CONTEXT, str(group_id).encode(), str(rank).encode()))
+    return hmac.new(key, message + verifier_nonce + prover_nonce, hashlib.sha256).digest()
+
+
+def _exchange(
+    backend: CommBackend,
+    group: PairGroup,
+    payload: bytes,
+    tag: int,
+    deadline: Deadline,
+    check: Callable[[bytes], None],
+) -> bytes:
+    """Send `payload` to the peer and receive its message of the same length and tag. The
+    peer's message is `check`ed as soon as it arrives: a send is done only once the peer takes
+    it, and a peer that failed the check need not."""
+    outgoing = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(group.device)
+    incoming = torch.empty(len(payload), dtype=torch.uint8, device=group.device)
+    # In rank order: NCCL runs a pair's sends and receives on one stream, in posting order,
+    # so both ranks receiving first would wait on each other.
+    if group.rank == SENDER_RANK:
+        sent = backend.send([outgoing], group.peer_rank, tag)
+        received = backend.recv([incoming], group.peer_rank, tag)
+    else:
+        received = backend.recv([incoming], group.peer_rank, tag)
+        sent = backend.send([outgoing], group.peer_rank, tag)
+    _wait_backend(received, group.id.backend, deadline)
+    message = incoming.cpu().numpy().tobytes()
+    check(message)
+    _wait_backend(sent, group.id.backend, deadline)
+    return message
+
+
+def _wait_backend(work: dist.Work, backend: str, deadline: Deadline) -> None:
+    if backend == "nccl":
+        _wait_nccl(work, deadline)
+    else:
+        work.wait(deadline.timedelta())
 
 
 def _wait_nccl(work: dist.Work, deadline: Deadline) -> None:

@@ -14,6 +14,7 @@ tears the pair group down and raises a typed error carrying the transfer key.
 
 from __future__ import annotations
 
+import hmac
 import threading
 
 import torch
@@ -68,6 +69,11 @@ class KVReceiver:
             group = self._pool.acquire(group_id)
             if group is None:
                 group = self._open(group_id, descriptor, deadline)
+        if not hmac.compare_digest(group.secret, route.secret):
+            # Refused, not torn down: the group itself is sound, and is still the sender's.
+            self._pool.release(group)
+            reason = f"is not the key of pair group {group_id}"
+            raise TransferMismatch(key, "rendezvous_secret", reason)
         return RecvTransfer(descriptor, group, self._pool, self.device)
 
     def sweep(self) -> list[GroupId]:
@@ -83,7 +89,8 @@ class KVReceiver:
     def _open(self, group_id: GroupId, descriptor: TransferDescriptor, deadline: Deadline) -> PairGroup:
         if self._pool.was_closed(group_id):
             raise PeerLost(descriptor.key, f"pair group {group_id} was already closed here")
-        group = PairGroup(group_id, RECEIVER_RANK, self.address, self.device, self.config.bind_host)
+        secret = descriptor.route.secret
+        group = PairGroup(group_id, RECEIVER_RANK, self.address, self.device, self.config.bind_host, secret)
         self._pool.admit(group, descriptor.key)
         self._host.store.set(group_id.open_key, "1")
         group.start_rendezvous(deadline)

@@ -36,6 +36,7 @@ from services.transfer.pairgroup import (
     backend_for,
     connect_store,
     new_epoch,
+    new_secret,
     wire_tag,
 )
 from services.transfer.sidecar import Sidecar, check_sidecar, sidecar_tag
@@ -69,7 +70,7 @@ class KVSender:
         self._pool.sweep()
         while (group := self._pool.take_idle(lambda g: _matches(g, store_address, backend))) is not None:
             if self._still_open(group, key, deadline):
-                return PairLease(PairRoute(store_address, backend, group.id.epoch), group)
+                return _lease(group)
             self._pool.discard(group, "the decode worker closed it")
         group = PairGroup(
             GroupId(self.worker_id, backend, new_epoch()),
@@ -77,9 +78,10 @@ class KVSender:
             store_address,
             torch.device(device),
             self.config.bind_host,
+            new_secret(),  # drawn here, so it reaches the decode worker only in the descriptor
         )
         self._pool.admit(group, key)
-        return PairLease(PairRoute(store_address, backend, group.id.epoch), group)
+        return _lease(group)
 
     def start_send(self, descriptor: TransferDescriptor, lease: PairLease, deadline: Deadline) -> SendTransfer:
         """Begin a transfer on a reserved group; connecting (if needed) runs in the background
@@ -233,6 +235,11 @@ class SendTransfer:
                     self._posted.append((self._group.post_send(tensor, tag, self._key), tensor))
             except TransferError as exc:
                 self._error = exc
+
+
+def _lease(group: PairGroup) -> PairLease:
+    route = PairRoute(group.store_address, group.id.backend, group.id.epoch, group.secret)
+    return PairLease(route, group)
 
 
 def _matches(group: PairGroup, store_address: str, backend: str) -> bool:

@@ -141,7 +141,7 @@ class PackedState:
             "transfer_id": "t-test", "request_id": receipt.request_id,
             "request_generation": receipt.request_generation, "state_generation": receipt.state_generation,
             "cache_generation": receipt.cache_generation, "receipt_digest": receipt.digest,
-            "source_worker": "prefill-test", "route": PairRoute("127.0.0.1:1", "gloo", 1),
+            "source_worker": "prefill-test", "route": PairRoute("127.0.0.1:1", "gloo", 1, "5" * 64),
             "layout": ViewLayout.of(view), **{k: v for k, v in changes.items() if k in names},
         })
         return ViewHandoff(**{

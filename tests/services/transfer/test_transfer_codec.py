@@ -60,7 +60,7 @@ def handoff_of(view, receipt: Receipt, **changes: object) -> ViewHandoff:  # typ
     descriptor = TransferDescriptor(
         transfer_id="t-1", request_id=receipt.request_id, request_generation=receipt.request_generation,
         state_generation=receipt.state_generation, cache_generation=receipt.cache_generation,
-        receipt_digest=receipt.digest, source_worker="prefill-0", route=PairRoute("10.0.0.7:29500", "gloo", 42),
+        receipt_digest=receipt.digest, source_worker="prefill-0", route=PairRoute("10.0.0.7:29500", "gloo", 42, "5" * 64),
         layout=ViewLayout.of(view), trace_context={"traceparent": "00-abc-def-01"},
     )
     fields: dict[str, object] = {

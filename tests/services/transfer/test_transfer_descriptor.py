@@ -44,7 +44,7 @@ def _descriptor(view: PackedKVView | None = None, **changes: object) -> Transfer
         "cache_generation": 9,
         "receipt_digest": hashlib.sha256(b"receipt").hexdigest(),
         "source_worker": "prefill-0",
-        "route": PairRoute("10.0.0.7:29500", "gloo", 123456789),
+        "route": PairRoute("10.0.0.7:29500", "gloo", 123456789, "5" * 64),
         "layout": ViewLayout.of(view or _view()),
         "trace_context": {"traceparent": "00-abc-def-01", "tracestate": "k=v"},
     }
@@ -133,13 +133,16 @@ def test_invalid_descriptor_fields_are_named(changes: dict[str, object], field: 
 @pytest.mark.parametrize(
     ("route", "field"),
     [
-        (("10.0.0.7", "gloo", 1), "rendezvous_address"),
-        (("10.0.0.7:70000", "gloo", 1), "rendezvous_address"),
-        (("10.0.0.7:29500", "mpi", 1), "rendezvous_address.backend"),
-        (("10.0.0.7:29500", "gloo", 0), "rendezvous_address.epoch"),
+        (("10.0.0.7", "gloo", 1, "5" * 64), "rendezvous_address"),
+        (("10.0.0.7:70000", "gloo", 1, "5" * 64), "rendezvous_address"),
+        (("10.0.0.7:29500", "mpi", 1, "5" * 64), "rendezvous_address.backend"),
+        (("10.0.0.7:29500", "gloo", 0, "5" * 64), "rendezvous_address.epoch"),
+        (("10.0.0.7:29500", "gloo", 1, ""), "rendezvous_secret"),
+        (("10.0.0.7:29500", "gloo", 1, "5" * 63), "rendezvous_secret"),
+        (("10.0.0.7:29500", "gloo", 1, "A" * 64), "rendezvous_secret"),
     ],
 )
-def test_invalid_routes_are_named(route: tuple[str, str, int], field: str) -> None:
+def test_invalid_routes_are_named(route: tuple[str, str, int, str], field: str) -> None:
     with pytest.raises(DescriptorInvalid) as caught:
         PairRoute(*route)
     assert caught.value.field == field
@@ -155,6 +158,7 @@ def test_malformed_wire_descriptors_are_rejected_naming_the_field() -> None:
         "tensors[5].shape": lambda m: m.tensors[5].shape.append(1),
         "tensors": lambda m: m.tensors.pop(),
         "rendezvous_address": lambda m: setattr(m, "rendezvous_address", "10.0.0.7:29500"),
+        "rendezvous_secret": lambda m: setattr(m, "rendezvous_secret", ""),
     }
     for field, corrupt in cases.items():
         broken = type(message).FromString(message.SerializeToString())
@@ -188,3 +192,11 @@ def test_deadline_bounds_and_converts() -> None:
     assert deadline.timedelta() == datetime.timedelta(milliseconds=1)
     with pytest.raises(ValueError, match="seconds"):
         Deadline.after(-1)
+
+
+def test_the_route_secret_crosses_the_wire_but_never_shows_in_repr() -> None:
+    descriptor = _descriptor()
+    message = descriptor_to_proto(descriptor)
+    assert message.rendezvous_secret == descriptor.route.secret == "5" * 64
+    assert descriptor_from_proto(message).route == descriptor.route
+    assert "5" * 64 not in repr(descriptor) and "5" * 64 not in str(descriptor.route)

@@ -36,7 +36,7 @@ class FakeClock:
 
 
 def _group(epoch: int, sender: str = "prefill-0") -> PairGroup:
-    return PairGroup(GroupId(sender, "gloo", epoch), 0, "127.0.0.1:1", torch.device("cpu"), "127.0.0.1")
+    return PairGroup(GroupId(sender, "gloo", epoch), 0, "127.0.0.1:1", torch.device("cpu"), "127.0.0.1", "5" * 64)
 
 
 def _pool(max_groups: int = 2, idle_timeout_s: float = 10.0) -> tuple[PairGroupPool, FakeClock, list[GroupId]]:
@@ -139,11 +139,11 @@ def _descriptor(route: PairRoute) -> TransferDescriptor:
 
 
 def test_receiver_refuses_routes_it_cannot_serve(receiver: KVReceiver) -> None:
-    elsewhere = _descriptor(PairRoute("127.0.0.2:1", "gloo", 7))
+    elsewhere = _descriptor(PairRoute("127.0.0.2:1", "gloo", 7, "5" * 64))
     with pytest.raises(TransferMismatch) as caught:
         receiver.start_recv(elsewhere, Deadline.after(1))
     assert caught.value.field == "rendezvous_address"
-    on_gpu = _descriptor(PairRoute(receiver.address, "nccl", 7))
+    on_gpu = _descriptor(PairRoute(receiver.address, "nccl", 7, "5" * 64))
     with pytest.raises(TransferMismatch) as caught:
         receiver.start_recv(on_gpu, Deadline.after(1))
     assert caught.value.field == "rendezvous_address.backend"
@@ -151,7 +151,7 @@ def test_receiver_refuses_routes_it_cannot_serve(receiver: KVReceiver) -> None:
 
 
 def test_receiver_never_rejoins_a_group_it_closed(receiver: KVReceiver) -> None:
-    descriptor = _descriptor(PairRoute(receiver.address, "gloo", 7))
+    descriptor = _descriptor(PairRoute(receiver.address, "gloo", 7, "5" * 64))
     transfer = receiver.start_recv(descriptor, Deadline.after(0.5))
     assert [g.epoch for g in receiver.group_ids()] == [7]
     with pytest.raises(TransferTimeout) as caught:  # no sender ever joins

@@ -130,7 +130,7 @@ def test_a_descriptor_with_summaries_needs_a_page_size() -> None:
     view = pack(k, v, SELECTED)
     descriptor = TransferDescriptor(
         transfer_id="t1", request_id="req-1", request_generation=1, state_generation=1, cache_generation=1,
-        receipt_digest="0" * 64, source_worker="prefill-x", route=PairRoute("127.0.0.1:1234", "gloo", 7),
+        receipt_digest="0" * 64, source_worker="prefill-x", route=PairRoute("127.0.0.1:1234", "gloo", 7, "5" * 64),
         layout=ViewLayout.of(view), sidecar=SidecarLayout.of(car),
     )
     message = descriptor_to_proto(descriptor)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.rpc.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/decode.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\xf2\x04\n\x12TransferDescriptor\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12$\n\x07receipt\x18\x04 \x01(\x0b\x32\x13.kvrelay.v1.Receipt\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.kvrelay.v1.TensorSpec\x12\x1a\n\x12rendezvous_address\x18\x06 \x01(\t\x12\x15\n\rsource_worker\x18\x07 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x08 \x01(\x05\x12,\n\x08sampling\x18\t \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\"\n\x06ledger\x18\n \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x1a\n\x12offload_handoff_id\x18\x0b \x01(\t\x12\x17\n\x0foffload_address\x18\x0c \x01(\t\x12\x15\n\rprompt_tokens\x18\r \x01(\x05\x12G\n\rtrace_context\x18\x0e \x03(\x0b\x32\x30.kvrelay.v1.TransferDescriptor.TraceContextEntry\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0f \x01(\x03\x12\x16\n\x0erecoverability\x18\x10 \x01(\t\x12\x11\n\tpage_size\x18\x11 \x01(\x05\x12\x18\n\x10offload_lease_ms\x18\x12 \x01(\x03\x12\x18\n\x10offload_degraded\x18\x13 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x03\x10\x04\"3\n\x1aGetTransferEndpointRequest\x12\x15\n\rsource_worker\x18\x01 \x01(\t\"W\n\x10TransferEndpoint\x12\x1a\n\x12rendezvous_address\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x03 \x03(\t\"K\n\x15\x41\x63\x63\x65ptTransferRequest\x12\x32\n\ndescriptor\x18\x01 \x01(\x0b\x32\x1e.kvrelay.v1.TransferDescriptor\"\x9a\x01\n\x16\x41\x63\x63\x65ptTransferResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x13\n\x0bsender_rank\x18\x03 \x01(\x05\x12\x15\n\rreceiver_rank\x18\x04 \x01(\x05\x12\x16\n\x0ereserved_bytes\x18\x05 \x01(\x03\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\"Z\n\x13StreamTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\"m\n\x0b\x44\x65\x63odeEvent\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.TokenEventH\x00\x12,\n\x07summary\x18\x02 \x01(\x0b\x32\x19.kvrelay.v1.DecodeSummaryH\x00\x42\x07\n\x05\x65vent\"\xb2\x02\n\rDecodeSummary\x12\x15\n\routput_tokens\x18\x01 \x01(\x05\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12,\n\x0bgenerations\x18\x04 \x01(\x0b\x32\x17.kvrelay.v1.Generations\x12\"\n\x06ledger\x18\x05 \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x15\n\rrecalled_rows\x18\x06 \x01(\x03\x12\x14\n\x0crecall_count\x18\x07 \x01(\x05\x12\x11\n\tfallbacks\x18\x08 \x03(\t\x12\x1f\n\x17verified_receipt_digest\x18\t \x01(\t\x12\x15\n\rretained_rows\x18\n \x01(\x03\x32\x90\x02\n\x0c\x44\x65\x63odeWorker\x12[\n\x13GetTransferEndpoint\x12&.kvrelay.v1.GetTransferEndpointRequest\x1a\x1c.kvrelay.v1.TransferEndpoint\x12W\n\x0e\x41\x63\x63\x65ptTransfer\x12!.kvrelay.v1.AcceptTransferRequest\x1a\".kvrelay.v1.AcceptTransferResponse\x12J\n\x0cStreamTokens\x12\x1f.kvrelay.v1.StreamTokensRequest\x1a\x17.kvrelay.v1.DecodeEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/decode.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x8d\x05\n\x12TransferDescriptor\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12$\n\x07receipt\x18\x04 \x01(\x0b\x32\x13.kvrelay.v1.Receipt\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.kvrelay.v1.TensorSpec\x12\x1a\n\x12rendezvous_address\x18\x06 \x01(\t\x12\x15\n\rsource_worker\x18\x07 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x08 \x01(\x05\x12,\n\x08sampling\x18\t \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\"\n\x06ledger\x18\n \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x1a\n\x12offload_handoff_id\x18\x0b \x01(\t\x12\x17\n\x0foffload_address\x18\x0c \x01(\t\x12\x15\n\rprompt_tokens\x18\r \x01(\x05\x12G\n\rtrace_context\x18\x0e \x03(\x0b\x32\x30.kvrelay.v1.TransferDescriptor.TraceContextEntry\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0f \x01(\x03\x12\x16\n\x0erecoverability\x18\x10 \x01(\t\x12\x11\n\tpage_size\x18\x11 \x01(\x05\x12\x18\n\x10offload_lease_ms\x18\x12 \x01(\x03\x12\x18\n\x10offload_degraded\x18\x13 \x01(\t\x12\x19\n\x11rendezvous_secret\x18\x14 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x03\x10\x04\"3\n\x1aGetTransferEndpointRequest\x12\x15\n\rsource_worker\x18\x01 \x01(\t\"W\n\x10TransferEndpoint\x12\x1a\n\x12rendezvous_address\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x03 \x03(\t\"K\n\x15\x41\x63\x63\x65ptTransferRequest\x12\x32\n\ndescriptor\x18\x01 \x01(\x0b\x32\x1e.kvrelay.v1.TransferDescriptor\"\x9a\x01\n\x16\x41\x63\x63\x65ptTransferResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x13\n\x0bsender_rank\x18\x03 \x01(\x05\x12\x15\n\rreceiver_rank\x18\x04 \x01(\x05\x12\x16\n\x0ereserved_bytes\x18\x05 \x01(\x03\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\"Z\n\x13StreamTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12request_generation\x18\x02 \x01(\x03\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\"m\n\x0b\x44\x65\x63odeEvent\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.TokenEventH\x00\x12,\n\x07summary\x18\x02 \x01(\x0b\x32\x19.kvrelay.v1.DecodeSummaryH\x00\x42\x07\n\x05\x65vent\"\xb2\x02\n\rDecodeSummary\x12\x15\n\routput_tokens\x18\x01 \x01(\x05\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12,\n\x0bgenerations\x18\x04 \x01(\x0b\x32\x17.kvrelay.v1.Generations\x12\"\n\x06ledger\x18\x05 \x01(\x0b\x32\x12.kvrelay.v1.Ledger\x12\x15\n\rrecalled_rows\x18\x06 \x01(\x03\x12\x14\n\x0crecall_count\x18\x07 \x01(\x05\x12\x11\n\tfallbacks\x18\x08 \x03(\t\x12\x1f\n\x17verified_receipt_digest\x18\t \x01(\t\x12\x15\n\rretained_rows\x18\n \x01(\x03\x32\x90\x02\n\x0c\x44\x65\x63odeWorker\x12[\n\x13GetTransferEndpoint\x12&.kvrelay.v1.GetTransferEndpointRequest\x1a\x1c.kvrelay.v1.TransferEndpoint\x12W\n\x0e\x41\x63\x63\x65ptTransfer\x12!.kvrelay.v1.AcceptTransferRequest\x1a\".kvrelay.v1.AcceptTransferResponse\x12J\n\x0cStreamTokens\x12\x1f.kvrelay.v1.StreamTokensRequest\x1a\x17.kvrelay.v1.DecodeEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERDESCRIPTOR_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_TRANSFERDESCRIPTOR_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_TRANSFERDESCRIPTOR']._serialized_start=65
-  _globals['_TRANSFERDESCRIPTOR']._serialized_end=691
-  _globals['_TRANSFERDESCRIPTOR_TRACECONTEXTENTRY']._serialized_start=634
-  _globals['_TRANSFERDESCRIPTOR_TRACECONTEXTENTRY']._serialized_end=685
-  _globals['_GETTRANSFERENDPOINTREQUEST']._serialized_start=693
-  _globals['_GETTRANSFERENDPOINTREQUEST']._serialized_end=744
-  _globals['_TRANSFERENDPOINT']._serialized_start=746
-  _globals['_TRANSFERENDPOINT']._serialized_end=833
-  _globals['_ACCEPTTRANSFERREQUEST']._serialized_start=835
-  _globals['_ACCEPTTRANSFERREQUEST']._serialized_end=910
-  _globals['_ACCEPTTRANSFERRESPONSE']._serialized_start=913
-  _globals['_ACCEPTTRANSFERRESPONSE']._serialized_end=1067
-  _globals['_STREAMTOKENSREQUEST']._serialized_start=1069
-  _globals['_STREAMTOKENSREQUEST']._serialized_end=1159
-  _globals['_DECODEEVENT']._serialized_start=1161
-  _globals['_DECODEEVENT']._serialized_end=1270
-  _globals['_DECODESUMMARY']._serialized_start=1273
-  _globals['_DECODESUMMARY']._serialized_end=1579
-  _globals['_DECODEWORKER']._serialized_start=1582
-  _globals['_DECODEWORKER']._serialized_end=1854
+  _globals['_TRANSFERDESCRIPTOR']._serialized_end=718
+  _globals['_TRANSFERDESCRIPTOR_TRACECONTEXTENTRY']._serialized_start=661
+  _globals['_TRANSFERDESCRIPTOR_TRACECONTEXTENTRY']._serialized_end=712
+  _globals['_GETTRANSFERENDPOINTREQUEST']._serialized_start=720
+  _globals['_GETTRANSFERENDPOINTREQUEST']._serialized_end=771
+  _globals['_TRANSFERENDPOINT']._serialized_start=773
+  _globals['_TRANSFERENDPOINT']._serialized_end=860
+  _globals['_ACCEPTTRANSFERREQUEST']._serialized_start=862
+  _globals['_ACCEPTTRANSFERREQUEST']._serialized_end=937
+  _globals['_ACCEPTTRANSFERRESPONSE']._serialized_start=940
+  _globals['_ACCEPTTRANSFERRESPONSE']._serialized_end=1094
+  _globals['_STREAMTOKENSREQUEST']._serialized_start=1096
+  _globals['_STREAMTOKENSREQUEST']._serialized_end=1186
+  _globals['_DECODEEVENT']._serialized_start=1188
+  _globals['_DECODEEVENT']._serialized_end=1297
+  _globals['_DECODESUMMARY']._serialized_start=1300
+  _globals['_DECODESUMMARY']._serialized_end=1606
+  _globals['_DECODEWORKER']._serialized_start=1609
+  _globals['_DECODEWORKER']._serialized_end=1881
 # @@protoc_insertion_point(module_scope)

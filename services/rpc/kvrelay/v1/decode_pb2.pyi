@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferDescriptor(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "receipt", "tensors", "rendezvous_address", "source_worker", "first_token_id", "sampling", "ledger", "offload_handoff_id", "offload_address", "prompt_tokens", "trace_context", "deadline_unix_ms", "recoverability", "page_size", "offload_lease_ms", "offload_degraded")
+    __slots__ = ("transfer_id", "request_id", "receipt", "tensors", "rendezvous_address", "source_worker", "first_token_id", "sampling", "ledger", "offload_handoff_id", "offload_address", "prompt_tokens", "trace_context", "deadline_unix_ms", "recoverability", "page_size", "offload_lease_ms", "offload_degraded", "rendezvous_secret")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class TransferDescriptor(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_SECRET_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     receipt: _common_pb2.Receipt
@@ -52,7 +53,8 @@ class TransferDescriptor(_message.Message):
     page_size: int
     offload_lease_ms: int
     offload_degraded: str
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., source_worker: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., offload_handoff_id: _Optional[str] = ..., offload_address: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., deadline_unix_ms: _Optional[int] = ..., recoverability: _Optional[str] = ..., page_size: _Optional[int] = ..., offload_lease_ms: _Optional[int] = ..., offload_degraded: _Optional[str] = ...) -> None: ...
+    rendezvous_secret: str
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., receipt: _Optional[_Union[_common_pb2.Receipt, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., rendezvous_address: _Optional[str] = ..., source_worker: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., offload_handoff_id: _Optional[str] = ..., offload_address: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., deadline_unix_ms: _Optional[int] = ..., recoverability: _Optional[str] = ..., page_size: _Optional[int] = ..., offload_lease_ms: _Optional[int] = ..., offload_degraded: _Optional[str] = ..., rendezvous_secret: _Optional[str] = ...) -> None: ...
 
 class GetTransferEndpointRequest(_message.Message):
     __slots__ = ("source_worker",)
