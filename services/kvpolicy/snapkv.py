@@ -272,8 +272,13 @@ def _check_obs_attn(
             "obs_attn", f"window x keys {attn_window} x {seq_len}, expected {window} x {prompt_len}"
         )
     _check_head_map(head_map, num_q_heads, None)
-    if not bool(torch.isfinite(attn).all()) or bool((attn < 0).any()):
-        raise SelectionError("obs_attn", "probabilities must be finite and non-negative")
+    # One layer at a time: the check's masks take 7 bytes per element, 1.75x the observation
+    # itself if taken over all layers at once (the largest term of the transaction peak).
+    for layer, rows in enumerate(attn):  # [H_q, W, T]
+        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
+            raise SelectionError(
+                "obs_attn", f"layer {layer}: probabilities must be finite and non-negative"
+            )
 
 
 def _check_scores(scores: torch.Tensor, budgets: Sequence[Sequence[int]], prefix_len: int) -> None:

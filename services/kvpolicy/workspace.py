@@ -105,7 +105,8 @@ def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequen
     """The most bytes scoring holds at once besides the observation; the largest of its steps
     (`snapkv.snapkv_scores`), with V = 4 L H_q T_p (one vote tensor):
 
-    - input check: `isfinite` over the observation, 7 L H_q W T (|x| plus three masks);
+    - input check: `isfinite` over one layer of the observation at a time, 7 H_q W T (|x| plus
+      three masks);
     - vote: V, twice while `mean` divides the window sum;
     - pooling (kernel k > 1): the vote, the padded vote 4 L H_q (T_p + 2 floor(k/2)) and the
       pooled output, plus avg's window sum before it divides: 2V + pad (max), 3V + pad (avg);
@@ -117,8 +118,7 @@ def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequen
     buffers), then pooling runs on the owner votes `[L, H_owner, T_p]` while the vote is
     still held.
     """
-    observation = shape.layers * shape.q_heads * shape.window * shape.prompt
-    check = _ISFINITE_BYTES_PER_ELEMENT * observation
+    check = _ISFINITE_BYTES_PER_ELEMENT * shape.q_heads * shape.window * shape.prompt  # a layer
     vote = _FP32 * shape.layers * shape.q_heads * shape.prefix
     voting = 2 * vote if params.aggregation is ScoreAggregation.MEAN else vote
     reduces = params.gqa_reduction is not GQAReduction.EXPAND
