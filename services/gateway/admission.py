@@ -35,10 +35,13 @@ class WaitQueue(Generic[T]):
     """FIFO waiters for something `attempt` can take (it returns None while nothing is free).
     The owner calls `notify()` whenever something may have become free. Event-loop confined."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(
+        self, max_waiting: int, on_waiting: Callable[[int], None] = lambda _count: None
+    ) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting: {max_waiting} must be >= 0")
         self.max_waiting = max_waiting
+        self._on_waiting = on_waiting  # told the number waiting whenever it changes (a gauge)
         self._waiters: deque[_Waiter] = deque()
 
     @property
@@ -59,6 +62,7 @@ class WaitQueue(Generic[T]):
             raise WorkersBusy(f"{what()}, and {len(self._waiters)} requests are already waiting")
         waiter = _Waiter()
         self._waiters.append(waiter)
+        self._on_waiting(len(self._waiters))
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
                 while True:
@@ -71,6 +75,7 @@ class WaitQueue(Generic[T]):
             raise WorkersBusy(f"{what()} for the {timeout_s:.3g} s this request could wait") from None
         finally:
             self._waiters.remove(waiter)
+            self._on_waiting(len(self._waiters))
             self.notify()  # the next in line may find room, or inherit a wake this one left unused
 
     def notify(self) -> None:

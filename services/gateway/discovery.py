@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.gateway.admission import WaitQueue
 from services.rpc.errors import Unavailable
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class WorkerPool:
         self._resolver = resolver
         self._max_message_bytes = max_message_bytes
         self._endpoints: dict[str, Endpoint] = {}
-        self._queue: WaitQueue[Endpoint] = WaitQueue(max_waiting)
+        waiting = metrics.GATEWAY_WAITING.labels(role)
+        self._queue: WaitQueue[Endpoint] = WaitQueue(max_waiting, on_waiting=waiting.set)
         self._picks = 0
         self._resolved_at = float("-inf")
         self._task: asyncio.Task[None] | None = None

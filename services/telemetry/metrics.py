@@ -89,6 +89,8 @@ GATEWAY_TTFT = _unregistered(Histogram, "kvrelay_gateway_ttft_seconds",
 GATEWAY_TPOT = _unregistered(Histogram, "kvrelay_gateway_tpot_seconds",
                              "Mean time per output token after the first, per request", buckets=TOKEN_BUCKETS)
 GATEWAY_IN_FLIGHT = _unregistered(Gauge, "kvrelay_gateway_requests_in_flight", "Generate calls being served")
+GATEWAY_WAITING = _unregistered(Gauge, "kvrelay_gateway_admission_waiting",
+                                "Requests waiting at the gateway for a worker with room, by role", ("role",))
 GATEWAY_RETRIES = _unregistered(Counter, "kvrelay_gateway_retries",
                                 "Attempts retried on other workers after a failure before the first token")
 
@@ -146,7 +148,7 @@ RECALL_FALLBACKS = _unregistered(Counter, "kvrelay_recall_fallbacks",
 _COMMON: tuple[Collector, ...] = (RPC_REQUESTS, RPC_DURATION)
 _TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUPS_CREATED, PAIR_GROUPS_EVICTED)
 ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
-    "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_RETRIES),
+    "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_WAITING, GATEWAY_RETRIES),
     "policy": (STALE_REJECTIONS, POLICY_UNDECODABLE_ENTRIES),
     "prefill": (STALE_REJECTIONS, PREFILL_STAGE, PREFILL_IN_FLIGHT, PREFILL_QUEUE_DEPTH, KV_ROWS, KV_BYTES,
                 OFFLOAD_STORE_BYTES, OFFLOAD_REFUSALS, OFFLOAD_RELEASED, OFFLOAD_RECALLS_SERVED, *_TRANSFER),

@@ -142,7 +142,8 @@ async def test_waiters_take_turns_in_order_and_give_up_at_their_deadline() -> No
             return "slot"
         return None
 
-    queue: WaitQueue[str] = WaitQueue(max_waiting=2)
+    counts: list[int] = []
+    queue: WaitQueue[str] = WaitQueue(max_waiting=2, on_waiting=counts.append)
     served: list[str] = []
 
     async def waiter(name: str) -> None:
@@ -168,6 +169,7 @@ async def test_waiters_take_turns_in_order_and_give_up_at_their_deadline() -> No
         await queue.take(take, 0.2, lambda: "all busy")
     assert 0.2 <= time.monotonic() - started < 2.0
     assert queue.waiting == 0
+    assert counts == [1, 2, 1, 0, 1, 0]  # the gauge saw every change, ending at 0
 
 
 async def test_a_cancelled_waiter_leaves_and_passes_its_turn_on() -> None:
