@@ -45,7 +45,7 @@ def admit(
     if handoff.offload.degraded:
         metrics.RECALL_FALLBACKS.labels(handoff.offload.degraded).inc()
     request_id, generation = accepted.request_id, accepted.request_generation
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     scheduler.submit(
         DecodeRequest(
             request_id=request_id,

@@ -118,7 +118,7 @@ def compress_prompt(
 def admit(loaded: LoadedModel, prompt: CompressedPrompt, extra_rows: int = 1) -> DecodeCache:
     """A single-request DecodeCache holding the packed view, as the decode worker admits it."""
     manifest = prompt.manifest
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     cache = DecodeCache(
         loaded.config, loaded.dtype, loaded.device, batch_capacity=1,
         row_capacity=prompt.forward.prompt_len + extra_rows + 1, owner_to_kv_head=owner_map,

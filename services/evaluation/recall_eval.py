@@ -306,7 +306,7 @@ class Evaluator:
     ) -> _Decoded:
         request_id = compressed.state.request_id
         result, loaded = prefilled.result, self.loaded
-        owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+        owner_map = manifest.expanded_owner_map
         cache = DecodeCache(
             loaded.config,
             loaded.dtype,

@@ -211,7 +211,7 @@ def pack(
 ) -> Compressed:
     """Gather the retained rows from the prompt's cache image (cache generation 1), bind them
     to state 1 with a receipt, and account the bytes."""
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     source = SourceCache(prefill.source_k, prefill.source_v, FIRST_CACHE_GENERATION)
     state = first_state(manifest, identity, prefill.prompt_length, selection)
     view = packing.materialize(state, source, owner_map)

@@ -204,7 +204,7 @@ def ledger_for(
 ) -> Ledger:
     """`build_ledger` with the owner kind the manifest declares, and the workspace of the
     transaction that compressed the prompt into `selected` (`transaction_workspace`)."""
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     ledger = build_ledger(manifest.tensor, prompt_len, selected, owner_map)
     return with_workspace(ledger, transaction_workspace(manifest, prompt_len, selected))
 

@@ -919,6 +919,12 @@ class KVVisibilityPolicyManifest:
             return self.tensor.resolved_q_to_kv_head_map()
         return tuple(range(self.tensor.num_kv_heads))
 
+    @property
+    def expanded_owner_map(self) -> tuple[int, ...] | None:
+        """`owner_to_kv_head()` when owners are query heads (GQA `expand`), else None: the
+        argument packing, page summaries and decode caches take (None = owners are K/V heads)."""
+        return self.owner_to_kv_head() if self.owners_are_query_heads else None
+
 
 def cache_abi_sha256(tensor: TensorContract) -> str:
     """A logical cache ABI digest derived from the tensor contract alone.

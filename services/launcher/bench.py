@@ -124,7 +124,7 @@ def run_local(loaded: LoadedModel, manifest: KVVisibilityPolicyManifest, ids: li
     started = time.perf_counter()
     result = model_prefill(loaded.model, ids, PrefillOptions(obs_window=observation_window(manifest)))
     length = result.prompt_length
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     cache = DecodeCache(loaded.config, loaded.dtype, loaded.device, batch_capacity=1,
                         row_capacity=length + max_tokens + 1, owner_to_kv_head=owner_map)
     compressed = compress(manifest, result, StateIdentity("local", 1))

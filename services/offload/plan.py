@@ -38,7 +38,7 @@ def offload_plan(
     contract = manifest.recoverability
     if not contract.recallable or contract.page_size is None:
         return None
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     summaries = summarize_pages(source_k, positions, contract.page_size, owner_map)
     rows = gather_omitted(source_k, source_v, summaries, owner_map)
     return OffloadPlan(contract.mode, summaries, rows)

@@ -301,7 +301,7 @@ def serve_state(manifest: Manifest, state: KVPolicyState) -> dict[str, Any]:
     """The prefill side of a state: gather its rows from the prompt's cache image, bind them."""
     prompt = PROMPTS[0]
     source = SourceCache(prompt.source_k, prompt.source_v, cache_generation=1)
-    owner_map = manifest.owner_to_kv_head() if manifest.owners_are_query_heads else None
+    owner_map = manifest.expanded_owner_map
     view = packing.materialize(state, source, owner_map)
     receipt = make_receipt(manifest, state, view, source=source.identity)
     return {"view": view_of(view), "receipt": receipt.digest,
