@@ -16,17 +16,21 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: at most `max_batch` requests per decode step, and at most
-    `kv_budget_bytes` of KV reserved by accepted transfers (see `scheduler.reservation_bytes`)."""
+    `kv_budget_bytes` of KV reserved by accepted transfers (see `scheduler.reservation_bytes`):
+    the decode caches' one page pool, preallocated at that size."""
 
     max_batch: int = 8
     kv_budget_bytes: int = 2 * GIB
-    # Rows per (layer, owner) the decode cache starts with; it grows geometrically.
+    # Rows per (layer, owner) the decode cache's page tables start with; they grow by doubling.
     initial_row_capacity: int = 256
+    # Rows per KV page; the pool holds kv_budget_bytes // page bytes pages.
+    page_rows: int = 16
     # Decode steps of one request per `decode.step` span (bounds trace volume per token).
     trace_steps_per_span: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "kv_budget_bytes", "initial_row_capacity", "trace_steps_per_span"):
+        for name in ("max_batch", "kv_budget_bytes", "initial_row_capacity", "page_rows",
+                     "trace_steps_per_span"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")

@@ -38,9 +38,15 @@ stream turns into `NonFiniteDecode` (INTERNAL, naming the request), while the re
 batch samples and goes on; an unexpected error in one batch's step fails that batch only, and
 one in admitting a request fails that request only.
 
-Memory is governed by the `KVBudget`: a transfer is accepted only if its reservation (the
-view's rows plus the rows its decode can append, `reservation_bytes`) fits, and the bytes
-return when the request finishes, fails or is cancelled. Sinks are called from the loop
+Memory is governed by the `KVBudget`, the ledger of the worker's one preallocated `PagePool`
+(fixed-size KV pages, services/model/paged.py, sized by `kv_budget_bytes`): a transfer is
+accepted only if its reservation (the view's rows plus the rows its decode can append, rounded
+up to whole pages at worst, `reservation_bytes`) fits. The pages the cache allocates for the
+request are charged to that same reservation, which admission trims to the exact pages its
+(layer, owner) rows will need; the pages return when the request finishes, fails or is
+cancelled. A request that needs a page no budget holds is refused (`KVPoolExhausted` ->
+`DecodeFailed(exhausted=True)`, RESOURCE_EXHAUSTED naming kv_budget_bytes); nothing is ever
+allocated past the budget. Sinks are called from the loop
 thread; `loop_sink` forwards to an event loop with `call_soon_threadsafe`.
 """
 
@@ -70,7 +76,8 @@ from services.model import (
     finish_reason,
     sample,
 )
-from services.model.errors import ModelError
+from services.model.errors import KVPoolExhausted, ModelError
+from services.model.paged import DEFAULT_PAGE_ROWS, PageLease, PageLedger, PagePool
 from services.model.sampler import finite_rows
 from services.offload.recall import RecallOutcome, RecallSession, RecallStatus, decode_with_recall
 from services.telemetry import metrics
@@ -112,11 +119,13 @@ class DecodeFinished:
 class DecodeFailed:
     """The request could not be decoded; its KV is released. `recall` is the recall outcome
     that ended it (the manifest said `fail_request`, or its successor state was rejected);
-    `non_finite`: its own logits were not finite, and it failed alone (its batch went on)."""
+    `non_finite`: its own logits were not finite, and it failed alone (its batch went on);
+    `exhausted`: the KV page budget had no page for it (it failed alone)."""
 
     message: str
     recall: RecallOutcome | None = None
     non_finite: bool = False
+    exhausted: bool = False
 
 
 DecodeEvent = TokenOut | DecodeFinished | DecodeFailed
@@ -135,63 +144,80 @@ def loop_sink(loop: asyncio.AbstractEventLoop, deliver: Callable[[DecodeEvent], 
 
 
 def reservation_bytes(
-    layout: ViewLayout, max_tokens: int, cache_dtype: torch.dtype, recallable_rows: int = 0, host_bytes: int = 0
+    layout: ViewLayout, max_tokens: int, cache_dtype: torch.dtype, recallable_rows: int = 0,
+    host_bytes: int = 0, page_rows: int = DEFAULT_PAGE_ROWS,
 ) -> int:
-    """KV bytes a request can occupy on this worker: in the decode cache, the view's rows, the
-    omitted rows recall may bring back (`recallable_rows`), and one row per (layer, owner) for
-    each of its `max_tokens - 1` decode steps, K and V at the cache dtype and an int32
-    original position per row; plus `host_bytes` of host-tier rows (recallable_local)."""
-    decoded = max(0, max_tokens - 1) * layout.num_layers * layout.num_owners
+    """KV bytes a request can occupy on this worker, in whole pages of `page_rows` rows (K and
+    V at the cache dtype and an int32 original position per row): the view's rows, the omitted
+    rows recall may bring back (`recallable_rows`), and one row per (layer, owner) for each of
+    its `max_tokens - 1` decode steps, each (layer, owner) rounded up to a page at worst (the
+    layout gives rows per layer only; admission trims to the exact pages); plus `host_bytes`
+    of host-tier rows (recallable_local), rounded up to a page."""
+    segments = layout.num_layers * layout.num_owners
+    decoded = max(0, max_tokens - 1) * segments
     rows = layout.total_rows + recallable_rows + decoded
-    return rows * (2 * layout.head_dim * cache_dtype.itemsize + POSITION_DTYPE.itemsize) + host_bytes
+    row_bytes = 2 * layout.head_dim * cache_dtype.itemsize + POSITION_DTYPE.itemsize
+    page = page_rows * row_bytes
+    pages = (rows + segments * (page_rows - 1)) // page_rows  # sum of ceil(rows_s / page_rows)
+    return pages * page + -(-host_bytes // page) * page
 
 
 class Reservation:
-    """Bytes held in a `KVBudget` until `release()` (idempotent, thread-safe)."""
+    """Pages held in a `KVBudget` until `release()` (idempotent, thread-safe): the `lease` the
+    decode cache charges the request's pages to."""
 
-    def __init__(self, budget: KVBudget, nbytes: int, label: str) -> None:
+    def __init__(self, budget: KVBudget, lease: PageLease) -> None:
         self.budget = budget
-        self.nbytes = nbytes
-        self.label = label
-        self._released = False
+        self.lease = lease
+        self.label = lease.label
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved now (whole pages)."""
+        return self.lease.nbytes
 
     @property
     def released(self) -> bool:
-        return self._released
+        return self.lease.released
 
     def release(self) -> None:
-        self.budget._release(self)
+        self.lease.release()
 
 
 class KVBudget:
-    """A byte budget shared by every accepted transfer of a worker."""
+    """The byte budget shared by every accepted transfer of a worker: the ledger of its page
+    `pool` (reservations and allocated pages in the same pages), or, without a pool, a ledger
+    of bytes alone."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self._used = 0
-        self._lock = threading.Lock()
+    def __init__(self, capacity_bytes: int, pool: PagePool | None = None) -> None:
+        self.capacity_bytes = capacity_bytes  # as configured; the pool holds whole pages of it
+        self.pool = pool
+        self.ledger = pool.ledger if pool is not None else PageLedger(capacity_bytes, 1)
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
+        """Bytes reserved (whole pages), allocated or not yet."""
+        return self.ledger.usage().reserved_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the pages the decode caches hold now."""
+        return self.ledger.usage().held_bytes
 
     def reserve(self, nbytes: int, label: str) -> Reservation:
-        """Hold `nbytes`, or raise CapacityExhausted if they do not fit next to the others."""
-        with self._lock:
-            if self._used + nbytes > self.capacity_bytes:
-                raise CapacityExhausted(
-                    f"{label} needs {nbytes} KV bytes; {self._used} of {self.capacity_bytes} are reserved",
-                    field="kv_budget_bytes",
-                )
-            self._used += nbytes
-        return Reservation(self, nbytes, label)
-
-    def _release(self, reservation: Reservation) -> None:
-        with self._lock:
-            if not reservation._released:
-                reservation._released = True
-                self._used -= reservation.nbytes
+        """Hold `nbytes` (rounded up to pages), or raise CapacityExhausted if they do not fit."""
+        pages = -(-nbytes // self.ledger.page_bytes)
+        try:
+            lease = self.ledger.reserve(pages, label)
+        except KVPoolExhausted:
+            usage = self.ledger.usage()
+            raise CapacityExhausted(
+                f"{label} needs {nbytes} KV bytes; {usage.reserved_bytes} of {self.capacity_bytes} "
+                f"are reserved (pages of {usage.page_bytes} bytes: {usage.reserved_pages} of "
+                f"{usage.capacity_pages})",
+                field="kv_budget_bytes",
+            ) from None
+        return Reservation(self, lease)
 
 
 @dataclass(frozen=True)
@@ -264,7 +290,11 @@ class DecodeScheduler:
     def __init__(self, loaded: LoadedModel, config: SchedulerConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.budget = KVBudget(config.kv_budget_bytes)
+        self.pool = PagePool.for_budget(
+            config.kv_budget_bytes, loaded.config.head_dim, loaded.dtype, loaded.device,
+            config.page_rows,
+        )
+        self.budget = KVBudget(config.kv_budget_bytes, self.pool)
         self.max_batch_seen = 0
         self.steps = 0
         self._eos = loaded.generation_config.eos_token_ids
@@ -347,9 +377,15 @@ class DecodeScheduler:
             self._release(request, DecodeFailed(f"cannot admit the view: {exc}"))
 
     def _step_alone(self, owner_map: OwnerMap, cache: DecodeCache) -> None:
-        """Step one batch; an unexpected error fails that batch's requests, and no other's."""
+        """Step one batch; a request the page budget has no page for fails alone (the others
+        step next iteration); an unexpected error fails that batch's requests, and no other's."""
         try:
             self._step(owner_map, cache)
+        except KVPoolExhausted as exc:
+            if exc.request_id not in self._running:
+                raise
+            log.warning("%s", exc)
+            self._fail(exc.request_id, f"no KV page: {exc}", exhausted=True)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
             log.exception("decode step of a batch of %d failed", cache.batch_size)
             for request_id in list(cache.request_ids):
@@ -387,11 +423,16 @@ class DecodeScheduler:
         if reason is not None:  # the prefill worker's token already ends it
             self._release(request, DecodeFinished(reason, 1, request.cache_generation, 0.0))
             return
+        cache = self._cache(request.owner_to_kv_head)
+        lease = request.reservation.lease
         try:
-            self._cache(request.owner_to_kv_head).admit_view(request.request_id, request.view, request.frontier)
+            cache.admit_view(request.request_id, request.view, request.frontier, lease=lease)
         except ModelError as exc:
-            self._release(request, DecodeFailed(f"cannot admit the view: {exc}"))
+            exhausted = isinstance(exc, KVPoolExhausted)
+            self._release(request, DecodeFailed(f"cannot admit the view: {exc}", exhausted=exhausted))
             return
+        if request.recall is None:  # recall may bring rows back: keep what was reserved for them
+            lease.ledger.trim(lease, cache.pages_after(request.request_id, request.max_tokens - 1))
         now = time.monotonic()
         self._running[request.request_id] = _Running(request, request.first_token, 1, now, now)
 
@@ -528,12 +569,12 @@ class DecodeScheduler:
             self._finish(running, FINISH_CANCELLED)
 
     def _fail(self, request_id: str, message: str, recall: RecallOutcome | None = None, *,
-              non_finite: bool = False) -> None:
+              non_finite: bool = False, exhausted: bool = False) -> None:
         running = self._running.get(request_id)
         if running is not None:
             self._end_step_span(running, error=message)
             self._drop(request_id)
-            self._release(running.request, DecodeFailed(message, recall, non_finite))
+            self._release(running.request, DecodeFailed(message, recall, non_finite, exhausted))
 
     def _drop(self, request_id: str) -> None:
         running = self._running.pop(request_id)
@@ -553,6 +594,7 @@ class DecodeScheduler:
                 batch_capacity=self.config.max_batch,
                 row_capacity=self.config.initial_row_capacity,
                 owner_to_kv_head=owner_map,
+                pool=self.pool,
             )
             self._caches[owner_map] = cache
         return cache

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from decode_worker.admit import Decoding
 from decode_worker.errors import (
+    CapacityExhausted,
     DuplicateTransfer,
     NonFiniteDecode,
     RecallAborted,
@@ -120,11 +121,14 @@ def summary(transfer: Transfer, finished: DecodeFinished) -> decode_pb2.DecodeSu
 
 def failure(decoding: Decoding, failed: DecodeFailed) -> ServiceError:
     """The error a failed decode ends its stream with: its own logits were not finite
-    (NonFiniteDecode, INTERNAL), a recall that could not bring rows back under `fail_request`
+    (NonFiniteDecode, INTERNAL), the KV page budget had no page for it (CapacityExhausted,
+    RESOURCE_EXHAUSTED), a recall that could not bring rows back under `fail_request`
     (RecallAborted), a recall whose successor state the fence refused (StaleTransfer), or
     anything else (DecodeAborted)."""
     if failed.non_finite:
         return NonFiniteDecode(failed.message, field="logits")
+    if failed.exhausted:
+        return CapacityExhausted(failed.message, field="kv_budget_bytes")
     outcome = failed.recall
     if outcome is None:
         return DecodeAborted(failed.message)

@@ -34,7 +34,9 @@ from services.kvpolicy.manifest import (
     AllocationSpec,
     KVVisibilityPolicyManifest,
     SelectionMethod,
+    TieRule,
 )
+from services.kvpolicy.snapkv import top_k_mask
 
 BudgetGrid = tuple[tuple[int, ...], ...]  # [L][H_owner]
 Real = int | float | Fraction
@@ -152,11 +154,17 @@ def adakv_budgets_from_counts(
 
 
 def adakv_raw_counts(layer_scores: torch.Tensor, budget: int) -> list[int]:
-    """Owner counts among the layer's global top-`budget` scores (ties: position, then owner)."""
-    num_owners = int(layer_scores.shape[0])
+    """Owner counts among the layer's global top-`budget` scores (ties: position, then owner):
+    the first `budget` of a stable descending sort of the position-major scores, found by one
+    k-th-value selection (`snapkv.top_k_mask`) instead of the sort."""
+    num_owners, prefix_len = (int(x) for x in layer_scores.shape)
+    if budget >= num_owners * prefix_len:
+        return [prefix_len] * num_owners
+    if budget <= 0:
+        return [0] * num_owners
     flat = layer_scores.transpose(0, 1).reshape(-1)  # [T_p * H_owner], position-major
-    top = torch.sort(flat, descending=True, stable=True).indices[:budget]
-    return [int(c) for c in torch.bincount(top % num_owners, minlength=num_owners)]
+    kept = top_k_mask(flat, budget, TieRule.POSITION_ASCENDING).view(prefix_len, num_owners)
+    return [int(c) for c in kept.count_nonzero(dim=0).tolist()]
 
 
 def headkv_budgets(

@@ -49,10 +49,11 @@ class Ledger:
         W = min(W_obs, T); 0 for static policies.
     score_bytes: SnapKV owner scores `[L, H_owner, T - W]` fp32, 4 L H_owner (T - W).
     score_workspace_bytes: the most scoring holds at once besides the observation: the
-        input check (7 L H_q W T), the vote, the pooling buffers, the GQA reduction.
+        input check (per-layer minima, the vote's maximum), the vote, the pooling buffers,
+        the GQA reduction.
     allocator_workspace_bytes: the allocator's tensors besides the scores (Ada-KV,
         ZigZagKV; 0 for the exact-fraction allocators and a prompt within capacity).
-    selection_workspace_bytes: the selector's NaN mask or one owner's sort.
+    selection_workspace_bytes: the selector's NaN mask or one owner's k-th-value selection.
     compaction_workspace_bytes: packing's int64 gather index and its view check,
         17 R + 16 L H_owner.
     """

@@ -15,9 +15,10 @@ max + max, so the orders agree there; they differ for mean + max pooling and max
 
 Selection per owner: the observation suffix `[T - W, T)` and the first `sinks` positions
 are protected and retained outside the budget; the top-`budget` remaining prefix rows
-are kept by a stable sort (ties by original position, ascending unless the manifest's
-tie rule says descending). An owner whose budget covers all its candidates keeps the
-whole prompt without selection.
+are kept, exactly those a stable descending sort puts first (ties by original position,
+ascending unless the manifest's tie rule says descending), found by one k-th-value selection
+per owner rather than a sort (`top_k_mask`). An owner whose budget covers all its candidates
+keeps the whole prompt without selection.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def snapkv_scores(
     _check_obs_attn(attn, prompt_len, window, q_to_kv_head_map)
     prefix = attn[..., : prompt_len - window]  # [L, H_q, W, T_p]
     vote = prefix.sum(dim=2) if aggregation is ScoreAggregation.SUM else prefix.sum(dim=2) / window
+    _check_votes(attn, vote, prompt_len, window)
     if gqa_order is GQAOrder.REDUCE_THEN_POOL:
         owner_vote = reduce_gqa(vote, q_to_kv_head_map, gqa_reduction)  # [L, H_owner, T_p]
         return pool_scores(owner_vote, pooling, kernel)
@@ -132,11 +134,29 @@ def top_k_positions(
         return list(range(n))
     if k <= 0:
         return []
+    return top_k_mask(scores, k, tie_rule).nonzero().flatten().tolist()
+
+
+def top_k_mask(
+    scores: torch.Tensor, k: int, tie_rule: TieRule = TieRule.POSITION_ASCENDING
+) -> torch.Tensor:
+    """Which entries of `scores [N]` are among its k largest, `[N]` bool, for 0 < k < N: exactly
+    the first k of a stable descending sort (equal scores: the earlier position first under
+    `position_ascending`, the later under `position_descending`). One k-th-value selection
+    instead of a sort: every score above the k-th largest is kept and, of those equal to it,
+    the first (or last) ones still needed."""
+    n = int(scores.shape[0])
+    threshold = torch.kthvalue(scores, n - k + 1).values  # the k-th largest, 0-d
+    above = scores > threshold
+    tied = scores == threshold
+    needed = k - int(above.count_nonzero())  # count_nonzero: no int64 copy, unlike sum
+    ties = int(tied.count_nonzero())
+    rank = tied.cumsum(0, dtype=torch.int32)  # [N] inclusive rank of each tie from the left
     if tie_rule is TieRule.POSITION_ASCENDING:
-        order = torch.sort(scores, descending=True, stable=True).indices[:k]
-    else:
-        order = n - 1 - torch.sort(scores.flip(0), descending=True, stable=True).indices[:k]
-    return sorted(int(i) for i in order)
+        chosen = tied & (rank <= needed)
+    else:  # the last `needed` ties: left rank above (ties - needed)
+        chosen = tied & (rank > ties - needed)
+    return above | chosen
 
 
 def select_snapkv(
@@ -161,14 +181,31 @@ def select_snapkv(
     first = min(sinks, prefix_len)
     protected_head = tuple(range(first))
     suffix = tuple(range(prefix_len, prompt_len))
+    everything = tuple(range(prompt_len))
+    candidates = prefix_len - first
     out = []
     for layer in range(int(scores.shape[0])):
         row = []
         for owner, budget in enumerate(budgets[layer]):
-            chosen = top_k_positions(scores[layer, owner, first:], budget, tie_rule)
-            row.append(protected_head + tuple(first + i for i in chosen) + suffix)
+            if budget >= candidates:  # the whole prompt, without selection
+                row.append(everything)
+                continue
+            chosen = _chosen_positions(scores[layer, owner, first:], budget, first, tie_rule)
+            row.append(protected_head + tuple(chosen) + suffix)
         out.append(tuple(row))
     return tuple(out)
+
+
+def _chosen_positions(
+    candidates: torch.Tensor, budget: int, first: int, tie_rule: TieRule
+) -> list[int]:
+    """The top-`budget` of one owner's candidates `[T_c]` (0 <= budget < T_c) as prompt
+    positions (candidate i is position first + i), ascending. Its own function so that one
+    owner's tensors are freed before the next owner's selection allocates."""
+    if budget == 0:
+        return []
+    kept = top_k_mask(candidates, budget, tie_rule).nonzero().flatten()  # [budget] int64
+    return kept.add_(first).tolist()
 
 
 def score(
@@ -272,6 +309,21 @@ def _check_obs_attn(
             "obs_attn", f"window x keys {attn_window} x {seq_len}, expected {window} x {prompt_len}"
         )
     _check_head_map(head_map, num_q_heads, None)
+    # One reduction pass over the observation: its minimum is NaN or negative exactly when a
+    # probability is; +inf (the one fault a minimum misses) shows in the votes (`_check_votes`).
+    if not bool((attn.amin(dim=(1, 2, 3)) >= 0).all()):  # [L] minima, no copy of attn
+        _check_obs_attn_exactly(attn)  # raises, naming the layer
+
+
+def _check_votes(attn: torch.Tensor, vote: torch.Tensor, prompt_len: int, window: int) -> None:
+    """+inf in the observation: every prefix column is in `vote` (a sum of non-negative
+    terms, finite unless a term is +inf or the sum overflows) and the suffix is W x W wide."""
+    finite = math.isfinite(float(vote.amax())) if vote.numel() else True
+    if not (finite and math.isfinite(float(attn[..., prompt_len - window :].amax()))):
+        _check_obs_attn_exactly(attn)  # raises unless only a finite sum overflowed
+
+
+def _check_obs_attn_exactly(attn: torch.Tensor) -> None:
     # One layer at a time: the check's masks take 7 bytes per element, 1.75x the observation
     # itself if taken over all layers at once (the largest term of the transaction peak).
     for layer, rows in enumerate(attn):  # [H_q, W, T]

@@ -36,17 +36,16 @@ from services.kvpolicy.manifest import (
     ScoreAggregation,
     SelectionMethod,
     SnapKVParams,
-    TieRule,
 )
 
 _FP32 = 4
 _FP64 = 8
 _INT64 = 8
 _BOOL = 1
-# torch.isfinite(x) on floats is `(x == x) * (|x| != inf)`: |x| in fp32 plus three bool masks.
-_ISFINITE_BYTES_PER_ELEMENT = _FP32 + 3 * _BOOL
-# A 1-D sort of n fp32 keys: values (4 n), indices (8 n) and an int64 buffer of n (8 n).
-_SORT_BYTES_PER_KEY = _FP32 + 2 * _INT64
+# torch.kthvalue over n fp32 keys: its contiguous copy of the keys (4 n) and an int64 index
+# buffer (8 n), then the 0-d value and index it returns (4 + 8).
+_KTHVALUE_BYTES_PER_KEY = _FP32 + _INT64
+_KTHVALUE_RESULT_BYTES = _FP32 + _INT64
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,8 @@ def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequen
     """The most bytes scoring holds at once besides the observation; the largest of its steps
     (`snapkv.snapkv_scores`), with V = 4 L H_q T_p (one vote tensor):
 
-    - input check: `isfinite` over one layer of the observation at a time, 7 H_q W T (|x| plus
-      three masks);
+    - input check: one minimum per layer (4 L, compared into L bools and reduced to one), and
+      the maximum of the vote beside the vote (V + 4; `snapkv._check_obs_attn`);
     - vote: V, twice while `mean` divides the window sum;
     - pooling (kernel k > 1): the vote, the padded vote 4 L H_q (T_p + 2 floor(k/2)) and the
       pooled output, plus avg's window sum before it divides: 2V + pad (max), 3V + pad (avg);
@@ -118,8 +117,8 @@ def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequen
     buffers), then pooling runs on the owner votes `[L, H_owner, T_p]` while the vote is
     still held.
     """
-    check = _ISFINITE_BYTES_PER_ELEMENT * shape.q_heads * shape.window * shape.prompt  # a layer
     vote = _FP32 * shape.layers * shape.q_heads * shape.prefix
+    check = max((_FP32 + _BOOL) * shape.layers + _BOOL, vote + _FP32)
     voting = 2 * vote if params.aggregation is ScoreAggregation.MEAN else vote
     reduces = params.gqa_reduction is not GQAReduction.EXPAND
     groups = _group_reduction_peak(head_map, _FP32 * shape.layers * shape.prefix) if reduces else 0
@@ -149,8 +148,9 @@ def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Sha
     prompt fits the capacity (every owner keeps all its candidates) and for uniform,
     PyramidKV and HeadKV (exact fractions, no tensors). Ada-KV, one layer at a time: its
     position-major copy of the layer's scores (4 n, n = H_o T_c; none when H_o = 1) and the
-    sort of it (20 n). ZigZagKV (`allocation.layer_min_budget`), with M = L H_o T_c: while
-    sorting, the fp64 copy of the candidate scores, its sorted values and indices (24 M) and
+    k-th-value selection over it (12 n + 12, `snapkv.top_k_mask`). ZigZagKV
+    (`allocation.layer_min_budget`), with M = L H_o T_c: while sorting, the fp64 copy of the
+    candidate scores, its sorted values and indices (24 M) and
     the sort's buffer of one row (8 T_c); then sorted values, their cumulative sum, the
     coverage mask and the int64 copy that summing the mask makes (25 M), beside two int64
     `[L, H_o]` tensors (the mass targets and the counts) — whichever is larger."""
@@ -160,7 +160,7 @@ def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Sha
     if spec.method is AllocationMethod.ADAKV:
         keys = shape.owners * shape.candidates
         copy = _FP32 * keys if shape.owners > 1 else 0
-        return copy + _SORT_BYTES_PER_KEY * keys
+        return copy + _KTHVALUE_BYTES_PER_KEY * keys + _KTHVALUE_RESULT_BYTES
     if spec.method is AllocationMethod.ZIGZAGKV:
         keys = shape.layers * shape.owners * shape.candidates
         sorting = (2 * _FP64 + _INT64) * keys + _INT64 * shape.candidates
@@ -175,20 +175,18 @@ def _selection_workspace_bytes(
     selected: Sequence[Sequence[Sequence[int]]],
 ) -> int:
     """The selector's tensors besides the scores (`snapkv.select_snapkv`): the NaN check's
-    mask (L H_o T_p bool), or one owner's sort of its T_c candidates (20 T_c; 24 T_c under
-    `position_descending`, which sorts a flipped copy), whichever is larger. Only an owner
-    that keeps some but not all of its candidates sorts."""
+    mask (L H_o T_p bool), or one owner's k-th-value selection over its T_c candidates
+    (12 T_c + 12, `snapkv.top_k_mask`; what follows it — two masks, the int32 tie ranks and
+    two more masks, then the kept indices — is smaller), whichever is larger. Only an owner
+    that keeps some but not all of its candidates selects; the tie rule changes nothing."""
     nan_mask = _BOOL * shape.layers * shape.owners * shape.prefix
     protected = min(manifest.selection.protected.sinks, shape.prefix) + shape.window
-    sorts = any(
+    selects = any(
         0 < len(owner) - protected < shape.candidates for layer in selected for owner in layer
     )
-    if not sorts:
+    if not selects:
         return nan_mask
-    per_key = _SORT_BYTES_PER_KEY
-    if manifest.selection.tie_rule is TieRule.POSITION_DESCENDING:
-        per_key += _FP32
-    return max(nan_mask, per_key * shape.candidates)
+    return max(nan_mask, _KTHVALUE_BYTES_PER_KEY * shape.candidates + _KTHVALUE_RESULT_BYTES)
 
 
 def compaction_workspace_bytes(num_layers: int, num_owners: int, visible_rows: int) -> int:

@@ -6,12 +6,16 @@ position with it and attention over any subset of rows needs no re-rotation.
 - `observation_attention`: the last W_obs queries' softmax rows, for SnapKV scoring.
 - `ragged_decode_attention` / `varlen_decode_attention`: one new query per request over a
   padded per-(request, K/V head) cache where every head has its own length;
-  `ragged_decode_attention_lse` also returns each query's log-sum-exp (for recall).
+  `ragged_decode_attention_lse` also returns each query's log-sum-exp (for recall). The padded
+  baseline (`services.model.padded_cache`) and the dense reference of the paged kernels.
+- `paged_decode_attention` / `paged_varlen_decode_attention`: the same over KV pages through a
+  page table per (request, owner); cost follows the rows each (request, owner) holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -215,5 +219,380 @@ def varlen_decode_attention(
         enable_gqa=True,
         seqused_k=lengths.reshape(-1).to(torch.int32),
     )  # [B*H_kv, G, d_h]
+    assert isinstance(out, torch.Tensor)  # no auxiliary outputs were requested
+    return out.reshape(batch, -1, d_h)
+
+
+@dataclass(frozen=True)
+class PagedChain:
+    """Runs of `count` pages each whose first pool pages are `page0 + i * stride`: one strided
+    view `[m, count * P, d_h]` of the pool, read in place. `seg` `[m]`: each run's segment;
+    `first_row` `[m]`: the index of its first row in that segment (`offset`: not all 0);
+    `tail`: some run holds its segment's last used page (the view stops at the longest run's
+    last row, rows past a shorter one's are masked); `identity`: the runs are segments 0..S-1
+    in order (the queries are read as they are)."""
+
+    page0: int
+    stride: int
+    count: int
+    seg: torch.Tensor
+    first_row: torch.Tensor
+    tail: bool
+    identity: bool
+    offset: bool  # some run starts past its segment's first row
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """Which pages one paged attention reads and how (runtime index tensors, reusable across
+    steps while every (request, owner) uses the same pages, `matches`).
+
+    `used` `[S]` pages per segment; `pages`, `seg`, `local` `[Np]`: every used page in segment
+    order, its segment and its index there. `chains`: the runs of consecutive pool pages read
+    in place (`PagedChain`); the other pages, `short` `[Ns]` indices into `pages`, are gathered
+    into `grid` `[Nb * k]` (k = `block_pages` per block) at `slot`; a block's segment is
+    `block_seg` `[Nb]`. `whole`: every segment is exactly one run, so each softmax is
+    complete in one chain and nothing is gathered or merged (the common case: the pool places
+    an owner's pages consecutively)."""
+
+    used: torch.Tensor
+    pages: torch.Tensor
+    seg: torch.Tensor
+    local: torch.Tensor
+    chains: tuple[PagedChain, ...]
+    short: torch.Tensor
+    grid: torch.Tensor
+    slot: torch.Tensor
+    block_seg: torch.Tensor
+    block_pages: int
+    whole: bool
+
+    def matches(self, used: torch.Tensor) -> bool:
+        return self.used.shape == used.shape and bool(torch.equal(self.used, used))
+
+
+def pages_used(lengths: torch.Tensor, page_rows: int) -> torch.Tensor:
+    """Pages each (request, owner) of `lengths` `[B, H]` rows uses  # [B * H]"""
+    return (lengths.reshape(-1) + page_rows - 1) // page_rows
+
+
+# A plan whose segments are one run each reads them all in place when they form at most this
+# many chains (one batched product each); more, and short runs are gathered into blocks.
+WHOLE_CHAINS = 8
+
+
+def paged_plan(page_table: torch.Tensor, used: torch.Tensor, block_pages: int = 4,
+               run_pages: int = 32, page_rows: int = 1) -> PagedPlan:
+    """The plan of `paged_decode_attention` for page_table `[B, H, W]` and `used` `[B * H]`
+    (`page_rows`: rows per page, for the chains' row offsets). A run of at least `run_pages`
+    consecutive pool pages of one owner is read in place; so is every run when each segment
+    is one run in at most `WHOLE_CHAINS` chains."""
+    device = page_table.device
+    segments = used.numel()
+    seg = torch.repeat_interleave(torch.arange(segments, device=device), used)  # [Np]
+    local = torch.arange(seg.numel(), device=device) - (torch.cumsum(used, 0) - used)[seg]
+    pages = page_table.reshape(segments, -1)[seg, local]  # [Np] in segment order
+    in_run = torch.zeros_like(pages, dtype=torch.bool)
+    chains: tuple[PagedChain, ...] = ()
+    whole = False
+    if pages.numel():
+        breaks = torch.ones_like(in_run)
+        breaks[1:] = (pages[1:] != pages[:-1] + 1) | (seg[1:] != seg[:-1])
+        starts = breaks.nonzero()[:, 0]
+        counts = torch.diff(starts, append=torch.tensor([pages.numel()], device=device))
+        if starts.numel() == segments:  # every segment is one run
+            chains = _chains(seg, local, pages, used, starts, counts, page_rows, segments)
+            whole = len(chains) <= WHOLE_CHAINS
+        if not whole:
+            long = counts >= run_pages
+            in_run = torch.repeat_interleave(long, counts)
+            chains = _chains(seg, local, pages, used, starts[long], counts[long], page_rows,
+                             segments) if bool(long.any()) else ()
+        else:
+            in_run = torch.ones_like(in_run)
+    short = (~in_run).nonzero()[:, 0]
+    short_seg = seg[short]
+    count = torch.bincount(short_seg, minlength=segments)  # [S] gathered pages per segment
+    blocks = (count + block_pages - 1) // block_pages
+    block_seg = torch.repeat_interleave(torch.arange(segments, device=device), blocks)  # [Nb]
+    rank = torch.arange(short.numel(), device=device) - (torch.cumsum(count, 0) - count)[short_seg]
+    slot = (torch.cumsum(blocks, 0) - blocks)[short_seg] * block_pages + rank
+    # Unused slots of a segment's last block read some page (finite) with no row counted.
+    filler = int(pages[0]) if pages.numel() else 0
+    grid = torch.full((block_seg.numel() * block_pages,), filler, dtype=torch.long, device=device)
+    grid[slot] = pages[short]
+    return PagedPlan(used, pages, seg, local, chains, short, grid, slot, block_seg, block_pages,
+                     whole)
+
+
+def _chains(seg: torch.Tensor, local: torch.Tensor, pages: torch.Tensor, used: torch.Tensor,
+            firsts: torch.Tensor, counts: torch.Tensor, page_rows: int,
+            segments: int) -> tuple[PagedChain, ...]:
+    """Runs (first index into `pages`, page count) grouped into chains: same page count, first
+    pool pages evenly spaced. Once per plan, not per step."""
+    run_seg, run_page = seg[firsts].tolist(), pages[firsts].tolist()
+    run_local, run_count = local[firsts].tolist(), counts.tolist()
+    last = [run_local[i] + run_count[i] == int(used[run_seg[i]]) for i in range(len(run_seg))]
+    by_count: dict[int, list[int]] = {}
+    for index, count in enumerate(run_count):
+        by_count.setdefault(count, []).append(index)
+    groups: list[tuple[int, list[int]]] = []
+    for count, members in by_count.items():
+        members.sort(key=lambda i: run_page[i])
+        chain = [members[0]]
+        for index in members[1:]:
+            step = run_page[index] - run_page[chain[-1]]
+            if len(chain) == 1 or step == run_page[chain[1]] - run_page[chain[0]]:
+                chain.append(index)
+                continue
+            groups.append((count, chain))
+            chain = [index]
+        groups.append((count, chain))
+    device = pages.device
+    result = []
+    for count, chain in groups:
+        page0 = run_page[chain[0]]
+        stride = run_page[chain[1]] - page0 if len(chain) > 1 else count
+        owners = [run_seg[i] for i in chain]
+        first_rows = [run_local[i] * page_rows for i in chain]
+        result.append(PagedChain(
+            page0, stride, count, torch.tensor(owners, dtype=torch.long, device=device),
+            torch.tensor(first_rows, device=device), any(last[i] for i in chain),
+            owners == list(range(segments)), any(first_rows)))
+    return tuple(result)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    hidden_at_or_before: torch.Tensor | None = None,
+    page_positions: torch.Tensor | None = None,
+    block_pages: int = 4,
+    run_pages: int = 32,
+    plan: PagedPlan | None = None,
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query per request over each (request, owner)'s pages, and its log-sum-exp.
+
+    q `[B, H_q, d_h]`; key_pages/value_pages `[N, P, d_h]` (a pool of P-row pages);
+    page_table `[B, H, W]` page ids, the first ceil(lengths / P) of each (request, owner) in
+    row order; lengths `[B, H]` rows held (>= 1). Query head i reads owner i // G.
+    hidden_at_or_before `[B]`: rows whose original position (page_positions `[N, P]`) is at or
+    before it are hidden (sliding window). Softmax in fp32 -> `[B, H_q, d_h]`, `[B, H_q]` fp32
+    (None when not `with_lse`).
+
+    Only the pages rows live in are read (`paged_plan`, or `plan` when the caller kept one that
+    still matches): runs of consecutive pool pages in place, one product per chain of runs;
+    every other page gathered, `block_pages` pages of one owner per block, one batched product
+    per block. When every (request, owner) is one run (`PagedPlan.whole`), each chain's
+    softmax is final; else each run and block yields a partial softmax (its max, sum and
+    weighted values), combined per (request, owner) at the end.
+    """
+    batch, owners = lengths.shape
+    rows = key_pages.shape[1]
+    if plan is None:
+        plan = paged_plan(page_table, pages_used(lengths, rows), block_pages, run_pages, rows)
+    flat = lengths.reshape(-1)
+    queries = q.reshape(batch * owners, -1, q.shape[-1])  # [S, G, d_h]
+    window = None
+    if hidden_at_or_before is not None and page_positions is not None:
+        window = (hidden_at_or_before.repeat_interleave(owners), page_positions)
+    if plan.whole:
+        out, lse = _whole_runs(queries, key_pages, value_pages, plan, flat, scale, window,
+                               with_lse)
+        return out.reshape(batch, -1, q.shape[-1]).to(q.dtype), (
+            None if lse is None else lse.reshape(batch, -1))
+    parts = []
+    if plan.chains:
+        parts.append(_run_partials(queries, key_pages, value_pages, plan, flat, scale, window))
+    if plan.short.numel():
+        filled = (flat[plan.seg] - plan.local * rows).clamp_(max=rows)  # [Np] rows in each page
+        parts.append(_block_partials(queries, key_pages, value_pages, plan, filled, scale, window))
+    out, lse = _combine(parts, batch * owners, batch)
+    return out.to(q.dtype), lse
+
+
+Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # seg, max, sum, out
+Window = tuple[torch.Tensor, torch.Tensor] | None  # oldest hidden position per segment, positions
+
+
+def _chain_scores(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                  chain: PagedChain, lengths: torch.Tensor, scale: float,
+                  window: Window) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked fp32 logits `[m, G, span]` of one chain's runs over the pool's rows in place (no
+    copy), and the values view `[m, span, d_h]` they weigh."""
+    rows, d_h = key_pages.shape[1], key_pages.shape[2]
+    key_pages, value_pages = key_pages.contiguous(), value_pages.contiguous()  # the pool: no-op
+    span = chain.count * rows
+    shape = (chain.seg.numel(), span, d_h)
+    strides = (chain.stride * rows * d_h, d_h, 1)
+    offset = chain.page0 * rows * d_h
+    keys = key_pages.as_strided(shape, strides, key_pages.storage_offset() + offset)
+    values = value_pages.as_strided(shape, strides, value_pages.storage_offset() + offset)
+    masked = None
+    if chain.tail:  # a run ending in its owner's last page, partly filled
+        held = lengths if chain.identity else lengths.index_select(0, chain.seg)
+        if chain.offset:
+            held = held - chain.first_row
+        low, high = (int(bound) for bound in torch.aminmax(held))
+        span = min(span, high)  # rows past every run's last are not read at all
+        keys, values = keys[:, :span], values[:, :span]
+        if low < span:
+            masked = torch.arange(span, device=held.device) >= held[:, None]  # [m, span]
+    if not chain.identity:
+        queries = queries.index_select(0, chain.seg)
+    if queries.dtype == torch.float32:  # scaled before the product: G x d_h, not G x span
+        scores = torch.bmm(queries * scale, keys.transpose(1, 2))
+    else:
+        scores = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scale)
+    if window is not None:
+        oldest, positions = window
+        positions = positions.contiguous()  # the pool's: no-op
+        at = positions.as_strided((shape[0], span), (chain.stride * rows, 1),
+                                  positions.storage_offset() + chain.page0 * rows)
+        hidden = at <= oldest.index_select(0, chain.seg)[:, None].to(positions.dtype)
+        masked = hidden if masked is None else masked | hidden
+    if masked is not None:
+        scores.masked_fill_(masked[:, None, :], float("-inf"))  # [m, G, span]
+    return scores, values
+
+
+def _whole_runs(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                plan: PagedPlan, lengths: torch.Tensor, scale: float, window: Window,
+                with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every segment is one run: one complete softmax per chain, written to its segments
+    -> `[S, G, d_h]` fp32 and the log-sum-exps `[S, G]` (None without `with_lse`). A segment's
+    newest row is always visible, so no softmax is over hidden rows only."""
+    segments, group, d_h = queries.shape
+    out = lse = None
+    for chain in plan.chains:
+        scores, values = _chain_scores(queries, key_pages, value_pages, chain, lengths, scale,
+                                       window)
+        # The same output with or without the log-sum-exp (recall's capture path must compute
+        # exactly what the plain path does).
+        part_lse = torch.logsumexp(scores, dim=2) if with_lse else None
+        part = torch.bmm(torch.softmax(scores, dim=2).to(values.dtype), values).float()
+        if chain.identity:  # the only chain: its rows are the segments in order
+            return part, part_lse
+        if out is None:
+            out = torch.empty(segments, group, d_h, device=queries.device)
+            lse = torch.empty(segments, group, device=queries.device) if with_lse else None
+        out.index_copy_(0, chain.seg, part)
+        if lse is not None and part_lse is not None:
+            lse.index_copy_(0, chain.seg, part_lse)
+    assert out is not None  # a whole plan has a chain per segment
+    return out, lse
+
+
+def _run_partials(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                  plan: PagedPlan, lengths: torch.Tensor, scale: float, window: Window) -> Partials:
+    """One partial softmax per run, over the pool's rows in place (no copy): the runs of a
+    chain are one strided view, one product."""
+    segs, peaks, sums, outs = [], [], [], []
+    for chain in plan.chains:
+        scores, values = _chain_scores(queries, key_pages, value_pages, chain, lengths, scale,
+                                       window)
+        peak, weights, total = _softmax_parts(scores, dim=2)
+        segs.append(chain.seg)
+        peaks.append(peak)
+        sums.append(total)
+        outs.append(torch.bmm(weights.to(values.dtype), values).float())
+    return torch.cat(segs), torch.cat(peaks), torch.cat(sums), torch.cat(outs)
+
+
+def _block_partials(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                    plan: PagedPlan, filled: torch.Tensor, scale: float,
+                    window: Window) -> Partials:
+    """One partial softmax per block of `block_pages` gathered pages of one segment."""
+    rows, d_h = key_pages.shape[1], key_pages.shape[2]
+    k, grid, block_seg = plan.block_pages, plan.grid, plan.block_seg
+    span = k * rows
+    grid_filled = torch.zeros_like(grid)
+    grid_filled[plan.slot] = filled[plan.short]
+    keys = key_pages.index_select(0, grid).view(-1, span, d_h)  # [Nb, k*P, d_h]
+    # q @ keys^T: one [G, d_h] x [d_h, k*P] product per block (several times faster on CPU
+    # than keys @ q^T for these thin shapes).
+    scores = torch.bmm(queries.index_select(0, block_seg), keys.transpose(1, 2)).float() * scale
+    masked = (torch.arange(rows, device=grid.device) >= grid_filled.view(-1, k, 1)).view(-1, span)
+    if window is not None:
+        oldest, positions = window
+        held = positions.index_select(0, grid).view(-1, span)
+        masked |= held <= oldest[block_seg, None].to(positions.dtype)
+    scores.masked_fill_(masked[:, None, :], float("-inf"))  # [Nb, G, k*P]
+    peak, weights, total = _softmax_parts(scores, dim=2)
+    values = value_pages.index_select(0, grid).view(-1, span, d_h)  # [Nb, k*P, d_h]
+    out = torch.bmm(weights.to(values.dtype), values).float()  # [Nb, G, d_h]
+    return block_seg, peak, total, out
+
+
+def _softmax_parts(
+    scores: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """max, exp(scores - max) and its sum along `dim`. A part whose rows are all hidden gets
+    max -inf and weights exp(-inf - finfo.min) = 0 (never exp(-inf - -inf) = NaN)."""
+    peak = scores.amax(dim=dim)
+    weights = torch.exp(scores - peak.clamp(min=torch.finfo(peak.dtype).min).unsqueeze(dim))
+    return peak, weights, weights.sum(dim=dim)
+
+
+def _combine(parts: list[Partials], segments: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial softmaxes per segment: out = sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) s_i."""
+    if len(parts) == 1:
+        seg, peak, total, out = parts[0]
+    else:
+        seg = torch.cat([p[0] for p in parts])
+        peak, total, out = (torch.cat([p[i] for p in parts]) for i in (1, 2, 3))
+    group, d_h = out.shape[1], out.shape[2]
+    best = torch.full((segments, group), float("-inf"), device=out.device)
+    best.scatter_reduce_(0, seg[:, None].expand(-1, group), peak, "amax")  # finite: newest row
+    factor = torch.exp(peak - best.index_select(0, seg))  # [n, G]; 0 for an all-hidden part
+    norm = torch.zeros(segments, group, device=out.device).index_add_(0, seg, factor * total)
+    merged = torch.zeros(segments, group, d_h, device=out.device)
+    merged.index_add_(0, seg, factor[..., None] * out)
+    result = (merged / norm[..., None]).reshape(batch, -1, d_h)
+    lse = (best + torch.log(norm)).reshape(batch, -1)
+    return result, lse
+
+
+def paged_varlen_decode_attention(
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_decode_attention`'s output via torch's varlen flash kernel (CUDA, half precision):
+    every (request, owner)'s rows are gathered from its pages into one packed sequence, whose
+    single query token carries that owner's G query heads. Arguments as there."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, owners = lengths.shape
+    rows, d_h = key_pages.shape[1], key_pages.shape[2]
+    segments = batch * owners
+    flat = lengths.reshape(-1)
+    seg = torch.repeat_interleave(torch.arange(segments, device=q.device), flat)  # [R]
+    first = torch.cumsum(flat, 0) - flat
+    local = torch.arange(seg.numel(), device=q.device) - first[seg]  # row index in segment
+    page = page_table.reshape(segments, -1)[seg, local // rows]
+    index = page * rows + local % rows  # [R] rows of the pool, segment after segment
+    cu_k = torch.zeros(segments + 1, dtype=torch.int32, device=q.device)
+    cu_k[1:] = torch.cumsum(flat, 0)
+    cu_q = torch.arange(segments + 1, device=q.device, dtype=torch.int32)
+    out = varlen_attn(
+        q.reshape(segments, -1, d_h),  # [S, G, d_h]
+        key_pages.reshape(-1, d_h)[index][:, None],  # [R, 1, d_h]
+        value_pages.reshape(-1, d_h)[index][:, None],
+        cu_q,
+        cu_k,
+        1,
+        int(flat.max()),
+        scale=scale,
+        enable_gqa=True,
+    )  # [S, G, d_h]
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs were requested
     return out.reshape(batch, -1, d_h)

@@ -65,3 +65,15 @@ class NonFiniteLogits(ModelError):
         self.rows = rows
         shown = ", ".join(str(row) for row in rows[:8]) + (", ..." if len(rows) > 8 else "")
         super().__init__(f"logits rows [{shown}] are not finite (NaN, +inf, or no finite entry)")
+
+
+class KVPoolExhausted(ModelError):
+    """The KV page pool cannot give `needed` more pages: its byte budget (`field`, e.g. the
+    decode worker's kv_budget_bytes) is reserved or in use. Nothing was allocated past it.
+    `request_id` names the request the pages were for ("" when none)."""
+
+    def __init__(self, field: str, reason: str, request_id: str = "") -> None:
+        self.field = field
+        self.reason = reason
+        self.request_id = request_id
+        super().__init__(f"{field} exhausted: {reason}")

@@ -1,9 +1,23 @@
-"""The decode-side KV cache: one padded slab per layer, `[B_cap, H_kv, capacity, d_h]`, with
-a length per (request, K/V head). A request is admitted from a packed view (its retained rows,
-any number per head) or from a dense prefill (every position retained, same code after that).
-Each decode step appends one row per (request, owner) in place; capacity grows geometrically
-per layer, so a step never copies the cache. Row order inside a head is irrelevant to
-attention (keys carry RoPE at their original position), so recalled rows are appended too.
+"""The decode-side KV cache, paged (issue 17): the rows of every (request, layer, owner) live
+in fixed-size pages of one `PagePool` (services/model/paged.py), found through a page table
+per (request, layer, owner). A request is admitted from a packed view (its retained rows, any
+number per owner) or from a dense prefill (every position retained, same code after that), in
+one vectorized copy for all its layers. Each decode step appends one row per (request, owner)
+into that owner's last page, taking a new page when it is full, so a step never copies the
+cache and memory follows the rows each request holds (rounded up to pages, `ledger()`), not the
+batch's longest head. Row order inside an owner is irrelevant to attention (keys carry RoPE at
+their original position), so recalled rows are appended too.
+
+The pool keeps each owner's pages consecutive (decode steps continue an owner's extent in
+place) and each layer's owners in a region of their own, so in the common case every
+(request, owner) of a layer is one run at one stride: attention reads the whole layer as one
+strided view per chain of equal runs, with no gather and no merge (`PagedPlan.whole`). Plans
+and the step's append rows are computed once per page change / step, not per layer call.
+
+Pages are charged to a `PageLease`: the decode worker passes the reservation its admission
+control checked (`admit_view(..., lease=)`); without one, the cache takes a lease of its own.
+A worker's pool is fixed (a page past its budget is refused, `KVPoolExhausted`); a cache built
+without a pool gets a private one that grows.
 
 Recall (services/offload/recall.py) needs two things from a step, both off by default: a
 `StepCapture` handed to `begin_step` records every layer's post-RoPE queries and the
@@ -20,20 +34,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from services.model.attention import (
     Attend,
-    ragged_decode_attention,
-    ragged_decode_attention_lse,
-    varlen_decode_attention,
+    PagedPlan,
+    paged_decode_attention,
+    paged_plan,
+    paged_varlen_decode_attention,
+    pages_used,
     varlen_decode_available,
 )
 from services.model.config import ModelConfig
-from services.model.errors import InvalidModelInput
+from services.model.errors import InvalidModelInput, KVPoolExhausted
+from services.model.paged import DEFAULT_PAGE_ROWS, POSITION_BYTES, PageLease, PagePool
 
-BACKENDS = ("auto", "padded", "varlen")
+BACKENDS = ("auto", "torch", "varlen")
+LAYOUT_RAGGED = "ragged"  # every owner's rows are packed from its first page on, no holes
+LAYOUT_COMPACTED = "compacted"  # rows were evicted (`drop_rows`); the kept ones moved up, no holes
 
 
 class PackedRows(Protocol):
@@ -54,40 +72,97 @@ class PackedRows(Protocol):
     def rows(self, layer: int, head: int) -> slice: ...
 
 
-@dataclass
-class LayerSlab:
-    """One layer's padded rows for every batch slot (runtime state, mutated in place)."""
+def check_capacities(backend: str, backends: tuple[str, ...], batch_capacity: int,
+                     row_capacity: int) -> None:
+    """A decode cache's constructor arguments: a known backend, positive capacities."""
+    if backend not in backends:
+        raise InvalidModelInput("backend", f"{backend!r} is not one of {backends}")
+    if batch_capacity <= 0 or row_capacity <= 0:
+        raise InvalidModelInput("capacity", "batch and row capacity must be positive")
 
-    keys: torch.Tensor  # [B_cap, H_kv, capacity, d_h]
-    values: torch.Tensor  # [B_cap, H_kv, capacity, d_h]
-    positions: torch.Tensor  # [B_cap, H_kv, capacity] int32, original position of each row
-    lengths: torch.Tensor  # [B_cap, H_kv] int64, valid rows per (slot, head)
 
-    @classmethod
-    def zeros(cls, slots: int, heads: int, capacity: int, head_dim: int,
-              dtype: torch.dtype, device: torch.device) -> LayerSlab:
-        # Zero-filled so padding never holds NaN (0 * NaN would leak through the masked softmax).
-        shape = (slots, heads, capacity, head_dim)
-        return cls(
-            keys=torch.zeros(shape, dtype=dtype, device=device),
-            values=torch.zeros(shape, dtype=dtype, device=device),
-            positions=torch.zeros(shape[:3], dtype=torch.int32, device=device),
-            lengths=torch.zeros(shape[:2], dtype=torch.int64, device=device),
+def owners_of(config: ModelConfig, owner_to_kv_head: tuple[int, ...] | None,
+              device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """How many owners a cache holds rows for, and the K/V head of each (None: the owners are
+    the K/V heads; else they must be the query heads, in q_to_kv_head_map order)."""
+    if owner_to_kv_head is None:
+        return config.num_kv_heads, None
+    if tuple(owner_to_kv_head) != config.q_to_kv_head_map:
+        raise InvalidModelInput(
+            "owner_to_kv_head", "owners other than K/V heads must be the query heads "
+            f"in q_to_kv_head_map order {list(config.q_to_kv_head_map)}"
         )
+    owner_map = torch.tensor(owner_to_kv_head, dtype=torch.long, device=device)
+    return len(owner_to_kv_head), owner_map
+
+
+def check_view(view: PackedRows, config: ModelConfig, num_owners: int, frontier: int) -> None:
+    """A packed view a cache of `num_owners` owners can admit with next position `frontier`."""
+    d_h = config.head_dim
+    if view.packed_k.ndim != 2 or view.packed_k.shape[1] != d_h:
+        raise InvalidModelInput("packed_k", f"shape {tuple(view.packed_k.shape)}, need [R, {d_h}]")
+    if view.packed_v.shape != view.packed_k.shape:
+        raise InvalidModelInput("packed_v", "shape differs from packed_k")
+    if view.original_position_map.shape != view.packed_k.shape[:1]:
+        raise InvalidModelInput("original_position_map", "needs one position per packed row")
+    expected = (config.num_layers, num_owners + 1)
+    if tuple(view.row_offsets.shape) != expected:
+        raise InvalidModelInput(
+            "row_offsets", f"shape {tuple(view.row_offsets.shape)}, this cache needs {expected}"
+        )
+    positions = view.original_position_map
+    if positions.numel() and int(positions.max()) >= frontier:
+        raise InvalidModelInput("frontier", f"{frontier} is not past every retained position")
+
+
+def check_dense(config: ModelConfig, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Dense prefill K/V a cache can admit: keys/values `[L, H_kv, T, d_h]`, the same shape."""
+    expected = (config.num_layers, config.num_kv_heads)
+    if tuple(keys.shape[:2]) != expected or keys.shape != values.shape:
+        raise InvalidModelInput("source_k", f"shape {tuple(keys.shape)} does not match {expected}")
+
+
+class SlottedCache:
+    """What the paged `DecodeCache` and the padded baseline (services/model/padded_cache.py)
+    share: requests in slots 0..B-1 of `request_ids`, the owners' K/V heads (`_owner_map`, None
+    when the owners are the K/V heads) and each request's next position (`_frontier`, which
+    each cache sizes itself)."""
+
+    _frontier: torch.Tensor
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                 owner_to_kv_head: tuple[int, ...] | None) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.request_ids: list[str] = []
+        self.num_owners, self._owner_map = owners_of(config, owner_to_kv_head, self.device)
 
     @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
+    def scale(self) -> float:
+        """Attention logit scale, 1/sqrt(d_h)."""
+        return float(self.config.head_dim**-0.5)
 
-    def resized(self, slots: int, capacity: int, used_slots: int, used_rows: int) -> LayerSlab:
-        """A larger slab holding this one's first `used_slots` slots and `used_rows` rows."""
-        grown = LayerSlab.zeros(slots, self.keys.shape[1], capacity, self.keys.shape[3],
-                                self.keys.dtype, self.keys.device)
-        grown.keys[:used_slots, :, :used_rows] = self.keys[:used_slots, :, :used_rows]
-        grown.values[:used_slots, :, :used_rows] = self.values[:used_slots, :, :used_rows]
-        grown.positions[:used_slots, :, :used_rows] = self.positions[:used_slots, :, :used_rows]
-        grown.lengths[:used_slots] = self.lengths[:used_slots]
-        return grown
+    @property
+    def head_to_owner(self) -> tuple[int, ...]:
+        """The owner whose rows each query head reads: its K/V head i // G, or itself."""
+        if self._owner_map is not None:
+            return tuple(range(self.config.num_q_heads))
+        return tuple(i // self.config.group_size for i in range(self.config.num_q_heads))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+    def frontier(self) -> torch.Tensor:
+        """Original position of the next token of each active request `[B]`."""
+        return self._frontier[: self.batch_size]
+
+    def _slot(self, request_id: str) -> int:
+        try:
+            return self.request_ids.index(request_id)
+        except ValueError:
+            raise InvalidModelInput("request_id", f"{request_id!r} is not admitted") from None
 
 
 @dataclass
@@ -111,12 +186,42 @@ class StepCapture:
         return torch.stack([self.lse[layer][slot] for layer in sorted(self.lse)])
 
 
-class DecodeCache:
-    """Ragged per-(request, layer, owner head) KV rows for a batch of decoding requests.
+@dataclass(frozen=True)
+class KVLedger:
+    """What a cache holds: `rows` (K, V and position of `row_bytes` each) in `pages` pages of
+    `page_bytes`; allocated / ledger is the page rounding. `layout`: how the rows sit in the
+    pages (`ragged`: packed from each owner's first page, no holes; `compacted`: the same,
+    after rows were evicted and the kept ones moved up; no layout leaves tombstones)."""
+
+    requests: int
+    rows: int
+    row_bytes: int
+    pages: int
+    page_bytes: int
+    layout: str = LAYOUT_RAGGED
+
+    @property
+    def ledger_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    @property
+    def rounding(self) -> float:
+        """allocated / ledger (1.0 for an empty cache)."""
+        return self.allocated_bytes / self.ledger_bytes if self.rows else 1.0
+
+
+class DecodeCache(SlottedCache):
+    """Paged per-(request, layer, owner) KV rows for a batch of decoding requests.
 
     Requests occupy slots 0..B-1 in `request_ids` order; a decode step feeds one token per
-    request in that order. Releasing a request moves the last slot into the hole.
-    `owner_to_kv_head`: None = owners are the K/V heads; else one K/V head per owner.
+    request in that order. Releasing a request frees its pages and moves the last slot's page
+    table into the hole (no KV row moves). `owner_to_kv_head`: None = owners are the K/V
+    heads; else one K/V head per owner. `pool`: the worker's page pool (else a private one,
+    first sized for `batch_capacity` x `row_capacity` rows per owner, that grows).
     """
 
     def __init__(
@@ -128,91 +233,94 @@ class DecodeCache:
         row_capacity: int = 256,
         backend: str = "auto",
         owner_to_kv_head: tuple[int, ...] | None = None,
+        pool: PagePool | None = None,
+        page_rows: int = DEFAULT_PAGE_ROWS,
     ) -> None:
-        if backend not in BACKENDS:
-            raise InvalidModelInput("backend", f"{backend!r} is not one of {BACKENDS}")
-        if batch_capacity <= 0 or row_capacity <= 0:
-            raise InvalidModelInput("capacity", "batch and row capacity must be positive")
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.request_ids: list[str] = []
-        self.num_owners, self._owner_map = self._owners(owner_to_kv_head)
-        self._slabs = [
-            LayerSlab.zeros(batch_capacity, self.num_owners, row_capacity,
-                            config.head_dim, dtype, self.device)
-            for _ in range(config.num_layers)
-        ]
+        check_capacities(backend, BACKENDS, batch_capacity, row_capacity)
+        super().__init__(config, dtype, device, owner_to_kv_head)
+        self.pool = pool if pool is not None else self._private_pool(
+            batch_capacity, row_capacity, page_rows)
+        self._check_pool(self.pool)
+        self.page_rows = self.pool.page_rows
+        table_pages = -(-row_capacity // self.page_rows)
+        shape = (config.num_layers, batch_capacity, self.num_owners)
+        # Host bookkeeping (the decode loop decides allocations without a device sync).
+        self._lengths = torch.zeros(shape, dtype=torch.long)  # rows per (layer, slot, owner)
+        self._pages = torch.zeros(shape, dtype=torch.long)  # pages per (layer, slot, owner)
+        self._table = torch.zeros((*shape, table_pages), dtype=torch.long)  # page ids
         self._frontier = torch.zeros(batch_capacity, dtype=torch.int64, device=self.device)
-        self._rows = np.zeros((config.num_layers, batch_capacity), dtype=np.int64)  # host max
-        self._index_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._leases: list[PageLease] = []
+        self._own_lease: list[bool] = []
+        self._device_table: list[torch.Tensor] | None = None  # per step, off-CPU devices only
+        self._plans: list[PagedPlan | None] = [None] * config.num_layers  # per layer, reused
         self._varlen = backend == "varlen" or (
             backend == "auto" and varlen_decode_available(self.device, dtype)
         )
         self._capture: StepCapture | None = None
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._step_rows = (none[None], none.int())  # this step's `_append_rows`
         self._undoable = False  # the last call committed a step and nothing was written since
-
-    @property
-    def scale(self) -> float:
-        """Attention logit scale, 1/sqrt(d_h)."""
-        return float(self.config.head_dim**-0.5)
-
-    @property
-    def head_to_owner(self) -> tuple[int, ...]:
-        """The owner whose rows each query head reads: its K/V head i // G, or itself."""
-        if self._owner_map is not None:
-            return tuple(range(self.config.num_q_heads))
-        return tuple(i // self.config.group_size for i in range(self.config.num_q_heads))
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.request_ids)
-
-    def frontier(self) -> torch.Tensor:
-        """Original position of the next token of each active request `[B]`."""
-        return self._frontier[: self.batch_size]
+        self._compacted = False  # some owner had rows evicted and compacted
 
     def lengths(self, request_id: str) -> torch.Tensor:
         """Rows held per (layer, owner) for one request `[L, H_owner]`."""
-        slot = self._slot(request_id)
-        return torch.stack([slab.lengths[slot] for slab in self._slabs])
+        return self._lengths[:, self._slot(request_id)].clone()
 
     def rows(self, request_id: str, layer: int, head: int) -> tuple[torch.Tensor, ...]:
         """keys `[n, d_h]`, values `[n, d_h]`, original positions `[n]` held for one owner."""
-        slot, slab = self._slot(request_id), self._slabs[layer]
-        n = int(slab.lengths[slot, head])
-        return slab.keys[slot, head, :n], slab.values[slot, head, :n], slab.positions[slot, head, :n]
+        slot = self._slot(request_id)
+        n = int(self._lengths[layer, slot, head])
+        pages = self._table[layer, slot, head, : int(self._pages[layer, slot, head])]
+        index = (pages[:, None] * self.page_rows + torch.arange(self.page_rows)).reshape(-1)[:n]
+        index = index.to(self.device)
+        d_h = self.config.head_dim
+        return (self.pool.keys.view(-1, d_h)[index], self.pool.values.view(-1, d_h)[index],
+                self.pool.positions.view(-1)[index])
 
-    def admit_view(self, request_id: str, view: PackedRows, frontier: int) -> None:
-        """Admit a request from a packed view; `frontier` is the next token's original position."""
-        self._check_view(view)
-        positions = view.original_position_map
-        if positions.numel() and int(positions.max()) >= frontier:
-            raise InvalidModelInput("frontier", f"{frontier} is not past every retained position")
-        slot = self._new_slot(request_id, frontier)
-        for layer in range(self.config.num_layers):
-            spans = [view.rows(layer, head) for head in range(self.num_owners)]
-            self._reserve(layer, max(s.stop - s.start for s in spans) + 1)
-            for head, span in enumerate(spans):
-                self._write(layer, slot, head, view.packed_k[span], view.packed_v[span],
-                            view.original_position_map[span])
+    def ledger(self, request_id: str | None = None) -> KVLedger:
+        """Rows held and pages allocated, for one request or the whole batch."""
+        slots = slice(None) if request_id is None else slice(s := self._slot(request_id), s + 1)
+        batch = self.batch_size
+        lengths, pages = self._lengths[:, :batch][:, slots], self._pages[:, :batch][:, slots]
+        row_bytes = 2 * self.config.head_dim * self.dtype.itemsize + POSITION_BYTES
+        requests = batch if request_id is None else 1
+        layout = LAYOUT_COMPACTED if self._compacted else LAYOUT_RAGGED
+        return KVLedger(requests, int(lengths.sum()), row_bytes, int(pages.sum()),
+                        self.pool.page_bytes, layout)
+
+    def pages_after(self, request_id: str, rows: int) -> int:
+        """Pages one request holds once every (layer, owner) has `rows` more rows."""
+        slot = self._slot(request_id)
+        needed = (self._lengths[:, slot] + rows + self.page_rows - 1) // self.page_rows
+        return int(torch.maximum(needed, self._pages[:, slot]).sum())
+
+    def admit_view(self, request_id: str, view: PackedRows, frontier: int,
+                   lease: PageLease | None = None) -> None:
+        """Admit a request from a packed view; `frontier` is the next token's original position.
+        Its pages are charged to `lease` (else to a lease the cache takes and releases)."""
+        check_view(view, self.config, self.num_owners, frontier)
+        offsets = view.row_offsets.to(device="cpu", dtype=torch.long)  # [L, H + 1]
+        counts = offsets[:, 1:] - offsets[:, :-1]  # [L, H]
+        slot = self._new_slot(request_id, frontier, lease)
+        self._admit(slot, counts, offsets[:, :-1], view.packed_k, view.packed_v,
+                    view.original_position_map)
 
     def admit_dense(
         self, request_id: str, keys: torch.Tensor, values: torch.Tensor,
-        frontier: int | None = None,
+        frontier: int | None = None, lease: PageLease | None = None,
     ) -> None:
         """Admit a request retaining every position: keys/values `[L, H_kv, T, d_h]`."""
-        expected = (self.config.num_layers, self.config.num_kv_heads)
-        if tuple(keys.shape[:2]) != expected or keys.shape != values.shape:
-            raise InvalidModelInput("source_k", f"shape {tuple(keys.shape)} does not match {expected}")
+        check_dense(self.config, keys, values)
         length = keys.shape[2]
-        slot = self._new_slot(request_id, length if frontier is None else frontier)
-        positions = torch.arange(length, dtype=torch.int32, device=self.device)
-        kv_heads = self._owner_map.tolist() if self._owner_map is not None else range(expected[1])
-        for layer in range(self.config.num_layers):
-            self._reserve(layer, length + 1)
-            for owner, head in enumerate(kv_heads):
-                self._write(layer, slot, owner, keys[layer, head], values[layer, head], positions)
+        if self._owner_map is not None:  # every owner gets its K/V head's rows
+            keys, values = keys[:, self._owner_map.cpu()], values[:, self._owner_map.cpu()]
+        layers, owners = keys.shape[:2]
+        counts = torch.full((layers, owners), length, dtype=torch.long)
+        starts = torch.arange(layers * owners, dtype=torch.long).view(layers, owners) * length
+        positions = torch.arange(length, dtype=torch.int32).repeat(layers * owners)
+        slot = self._new_slot(request_id, length if frontier is None else frontier, lease)
+        d_h = self.config.head_dim
+        self._admit(slot, counts, starts, keys.reshape(-1, d_h), values.reshape(-1, d_h), positions)
 
     def append_rows(
         self, request_id: str, layer: int, head: int,
@@ -220,192 +328,282 @@ class DecodeCache:
     ) -> None:
         """Add rows `[n, d_h]` at original `positions` `[n]` to one head (e.g. recalled rows)."""
         slot = self._slot(request_id)
-        self._reserve(layer, int(self._slabs[layer].lengths[slot, head]) + keys.shape[0] + 1)
-        self._write(layer, slot, head, keys, values, positions)
+        counts = torch.zeros(self._lengths.shape[0], self.num_owners, dtype=torch.long)
+        counts[layer, head] = keys.shape[0]
+        self._write(slot, counts, torch.zeros_like(counts), keys, values, positions)
+
+    def drop_rows(self, request_id: str, layer: int, head: int, drop: torch.Tensor) -> int:
+        """Evict rows from one owner (decode-time retention, a recall swap): `drop` `[n]` bool
+        over the rows `rows()` returns, in that order. The kept rows are compacted to the
+        front of the owner's pages (their order kept) and the pages past them go back to the
+        pool; returns the pages freed. The ledger's layout reads `compacted` from then on."""
+        slot = self._slot(request_id)
+        held = int(self._lengths[layer, slot, head])
+        if drop.dtype != torch.bool or tuple(drop.shape) != (held,):
+            raise InvalidModelInput("drop", f"need a bool mask over the owner's {held} rows")
+        self._undoable = False
+        rows = self.page_rows
+        pages = self._table[layer, slot, head, : int(self._pages[layer, slot, head])]
+        index = (pages[:, None] * rows + torch.arange(rows)).reshape(-1)[:held]  # [n] pool rows
+        kept = index[~drop.cpu()]
+        keep = kept.numel()
+        if keep == 0:
+            raise InvalidModelInput("drop", "an owner keeps at least one row (its newest)")
+        dest, source = index[:keep].to(self.device), kept.to(self.device)
+        d_h, pool = self.config.head_dim, self.pool
+        for flat in (pool.keys.view(-1, d_h), pool.values.view(-1, d_h), pool.positions.view(-1)):
+            flat.index_copy_(0, dest, flat.index_select(0, source))  # gathered first: no overlap
+        needed = -(-keep // rows)
+        freed = pages[needed:].clone()
+        pool.free(self._leases[slot], freed)
+        self._pages[layer, slot, head] = needed
+        self._lengths[layer, slot, head] = keep
+        self._invalidate()
+        self._compacted = True
+        return int(freed.numel())
 
     def release(self, request_id: str) -> None:
-        """Drop a request; the last slot moves into its place (only that request's rows copy).
-        The dropped request's rows are zeroed: they stay behind as padding that other requests'
-        attention reads with weight 0, and 0 * NaN would carry a fault of this request's KV
-        into theirs (see `LayerSlab.zeros`)."""
+        """Drop a request: its pages go back to the pool (zeroed when next handed out), and the
+        last slot's page table moves into its place."""
         slot, last = self._slot(request_id), self.batch_size - 1
         self._undoable = False
-        for layer, slab in enumerate(self._slabs):
-            # + 1: the row a failed or undone step may have appended past the committed ones
-            stop = min(int(self._rows[layer, slot]) + 1, slab.capacity)
-            slab.keys[slot, :, :stop] = 0
-            slab.values[slot, :, :stop] = 0
+        self._invalidate()
+        held = self._pages[:, slot]  # [L, H]
+        used = torch.arange(self._table.shape[-1]) < held[..., None]
+        self.pool.free(self._leases[slot], self._table[:, slot][used])
+        if self._own_lease[slot]:
+            self._leases[slot].release()
         if slot != last:
-            for layer, slab in enumerate(self._slabs):
-                used = min(int(self._rows[layer, last]) + 1, slab.capacity)
-                slab.keys[slot, :, :used] = slab.keys[last, :, :used]
-                slab.values[slot, :, :used] = slab.values[last, :, :used]
-                slab.positions[slot, :, :used] = slab.positions[last, :, :used]
-                slab.lengths[slot] = slab.lengths[last]
-                slab.keys[last, :, :used] = 0
-                slab.values[last, :, :used] = 0
-            self._rows[:, slot] = self._rows[:, last]
+            for tensor in (self._lengths, self._pages, self._table):
+                tensor[:, slot] = tensor[:, last]
             self._frontier[slot] = self._frontier[last]
             self.request_ids[slot] = self.request_ids[last]
+            self._leases[slot], self._own_lease[slot] = self._leases[last], self._own_lease[last]
+        for tensor in (self._lengths, self._pages):
+            tensor[:, last] = 0
         self.request_ids.pop()
+        self._leases.pop()
+        self._own_lease.pop()
 
     def begin_step(self, capture: StepCapture | None = None) -> torch.Tensor:
-        """Make room for one more row per (request, layer, head); returns positions `[B]`.
-
-        With `capture`, every layer of this step records its queries and log-sum-exps there
-        (through the padded kernel, which also yields the log-sum-exp).
-        """
+        """Make room for one more row per (request, layer, owner): a new page for every owner
+        whose last page is full (KVPoolExhausted naming the request when its budget has none);
+        returns positions `[B]`. With `capture`, every layer of this step records its queries
+        and log-sum-exps there."""
         if not self.request_ids:
             raise InvalidModelInput("batch", "no request admitted")
-        self._capture, self._undoable = capture, False
-        for layer in range(self.config.num_layers):
-            self._reserve(layer, int(self._rows[layer, : self.batch_size].max()) + 1)
+        batch = self.batch_size
+        self._capture, self._undoable = None, False
+        full = self._lengths[:, :batch] // self.page_rows >= self._pages[:, :batch]  # [L, B, H]
+        if bool(full.any()):
+            self._invalidate()
+            for slot in full.any(dim=2).any(dim=0).nonzero()[:, 0].tolist():
+                layers, heads = full[:, slot].nonzero(as_tuple=True)
+                self._add_pages(slot, layers, heads, torch.ones_like(layers))
+        if self._device_table is None and self.device.type != "cpu":
+            self._device_table = [t.to(self.device) for t in self._table]
+        self._step_rows = self._append_rows(batch)
+        self._capture = capture
         return self.frontier()
 
     def attention(self, layer: int) -> Attend:
         """The `Attend` of layer l for this step: append the new row to every owner, attend."""
-        slab, window = self._slabs[layer], self.config.sliding_windows[layer]
+        window = self.config.sliding_windows[layer]
         batch, scale, capture = self.batch_size, self.scale, self._capture
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q [B, H_q, d_h]; k, v [B, H_kv, d_h] at the frontier position
             if self._owner_map is not None:
                 k, v = k[:, self._owner_map], v[:, self._owner_map]  # [B, H_owner, d_h]
-            self._append_step(slab, k, v)
+            table = self._layer_table(layer)[:batch]  # [B, H, max_pages]
+            self._append_step(layer, k, v)
+            lengths = self._lengths[layer, :batch].to(self.device)  # [B, H], the new row included
+            pool = self.pool
             if self._varlen and window is None and capture is None:
-                return varlen_decode_attention(
-                    q, slab.keys[:batch], slab.values[:batch], slab.lengths[:batch], scale
-                )
-            span = int(self._rows[layer, :batch].max()) + 1
-            args = (q, slab.keys[:batch, :, :span], slab.values[:batch, :, :span],
-                    slab.lengths[:batch], scale, self._outside_window(slab, span, window))
-            if capture is None:
-                return ragged_decode_attention(*args)
-            out, lse = ragged_decode_attention_lse(*args)
-            capture.record(layer, q, lse)
+                return paged_varlen_decode_attention(
+                    q, pool.keys, pool.values, table, lengths, scale)
+            hidden = None if window is None else self.frontier() - window
+            out, lse = paged_decode_attention(
+                q, pool.keys, pool.values, table, lengths, scale, hidden_at_or_before=hidden,
+                page_positions=pool.positions, plan=self._plan(layer, table, lengths),
+                with_lse=capture is not None,
+            )
+            if capture is not None and lse is not None:
+                capture.record(layer, q, lse)
             return out
 
         return attend
 
     def end_step(self) -> None:
         """Commit the step: every owner gained one row, every frontier moves by one."""
-        batch = self.batch_size
-        self._rows[:, :batch] += 1
-        self._frontier[:batch] += 1
+        self._frontier[: self.batch_size] += 1
         self._capture, self._undoable = None, True
 
     def undo_step(self) -> None:
         """Take back the step just committed: every request drops the row that step appended
-        to each owner and its frontier moves back by one. Only right after `end_step`, before
-        any row is written, a request admitted or released (else InvalidModelInput)."""
+        to each owner and its frontier moves back by one (a page it opened stays, for the
+        step's rerun). Only right after `end_step`, before any row is written, a request
+        admitted or released (else InvalidModelInput)."""
         if not self._undoable:
             raise InvalidModelInput("undo_step", "only the step just committed can be undone")
         batch = self.batch_size
-        for slab in self._slabs:
-            slab.lengths[:batch] -= 1
-        self._rows[:, :batch] -= 1
+        self._lengths[:, :batch] -= 1
         self._frontier[:batch] -= 1
         self._undoable = False
+        self._invalidate()  # the page the step opened stays, unused until the rerun
 
-    def _append_step(self, slab: LayerSlab, k: torch.Tensor, v: torch.Tensor) -> None:
-        slots, head_index = self._step_index(k.shape[0], k.shape[1])
-        rows = slab.lengths[: k.shape[0]].reshape(-1)
-        slab.keys[slots, head_index, rows] = k.reshape(-1, k.shape[-1]).to(slab.keys.dtype)
-        slab.values[slots, head_index, rows] = v.reshape(-1, v.shape[-1]).to(slab.values.dtype)
-        slab.positions[slots, head_index, rows] = self._frontier[slots].to(torch.int32)
-        slab.lengths[: k.shape[0]] += 1
+    def _invalidate(self) -> None:
+        """Page tables changed: the device copies and the attention plans are stale."""
+        self._device_table = None
+        self._plans = [None] * len(self._plans)
 
-    def _step_index(self, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # (slot, owner) of every appended row `[B * H_owner]`, cached per batch size.
-        if self._index_cache is None or self._index_cache[0].shape[0] != batch * heads:
-            slots = torch.arange(batch, device=self.device).repeat_interleave(heads)
-            self._index_cache = (slots, torch.arange(heads, device=self.device).repeat(batch))
-        return self._index_cache
+    def _plan(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedPlan:
+        # Reused until `_invalidate`: between two page changes a step's row lands in a page the
+        # plan already reads (after each step's append every owner uses exactly the pages it
+        # holds; the one exception, a page an undone step opened, invalidates in `undo_step`).
+        plan = self._plans[layer]
+        if plan is None:
+            used = pages_used(lengths, self.page_rows)
+            plan = self._plans[layer] = paged_plan(table, used, page_rows=self.page_rows)
+        return plan
 
-    def _outside_window(
-        self, slab: LayerSlab, span: int, window: int | None
-    ) -> torch.Tensor | None:
-        if window is None:
-            return None
-        oldest = self.frontier() - window  # rows at or before this position are out of window
-        return slab.positions[: self.batch_size, :, :span] <= oldest[:, None, None].to(torch.int32)
+    def _layer_table(self, layer: int) -> torch.Tensor:
+        if self._device_table is not None:
+            return self._device_table[layer]
+        return self._table[layer]
 
-    def _owners(self, owner_to_kv_head: tuple[int, ...] | None) -> tuple[int, torch.Tensor | None]:
-        if owner_to_kv_head is None:
-            return self.config.num_kv_heads, None
-        if tuple(owner_to_kv_head) != self.config.q_to_kv_head_map:
+    def _append_rows(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where this step's row of every (layer, slot, owner) goes, for all layers at once:
+        the pool row after each owner's last `[L, B * H]`, and the rows' position `[B * H]`."""
+        rows, lengths = self.page_rows, self._lengths[:, :batch]  # [L, B, H]
+        page = self._table[:, :batch].gather(3, (lengths // rows)[..., None])[..., 0]
+        flat = (page * rows + lengths % rows).reshape(lengths.shape[0], -1).to(self.device)
+        position = self._frontier[:batch, None].expand(-1, self.num_owners).reshape(-1)
+        return flat, position.to(torch.int32)
+
+    def _append_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # One row per (slot, owner) into the page holding row `length`: [B * H] flat rows.
+        flat, position = self._step_rows[0][layer], self._step_rows[1]
+        d_h = self.config.head_dim
+        pool = self.pool
+        pool.keys.view(-1, d_h).index_copy_(0, flat, k.reshape(-1, d_h).to(pool.dtype))
+        pool.values.view(-1, d_h).index_copy_(0, flat, v.reshape(-1, d_h).to(pool.dtype))
+        pool.positions.view(-1).index_copy_(0, flat, position)
+        self._lengths[layer, : k.shape[0]] += 1
+
+    def _admit(
+        self, slot: int, counts: torch.Tensor, starts: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    ) -> None:
+        # All or nothing: a request whose rows do not fit leaves no slot and no page behind.
+        try:
+            self._write(slot, counts, starts, keys, values, positions)
+        except BaseException:
+            self.release(self.request_ids[slot])
+            raise
+
+    def _write(
+        self, slot: int, counts: torch.Tensor, starts: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    ) -> None:
+        """Append `counts[l, h]` rows to every (layer, owner) of a slot, taken from the packed
+        rows `starts[l, h]`..: pages first, then one index copy for all of them."""
+        self._undoable = False
+        base = self._lengths[:, slot]  # [L, H] rows held before
+        rows = self.page_rows
+        needed = (base + counts + rows - 1) // rows - self._pages[:, slot]  # [L, H]
+        layers, heads = (needed > 0).nonzero(as_tuple=True)
+        if layers.numel():
+            self._add_pages(slot, layers, heads, needed[layers, heads])
+        flat_counts = counts.reshape(-1)
+        total = int(flat_counts.sum())
+        if total == 0:
+            return
+        self._invalidate()  # rows outside a step: the pages used change
+        segment = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)  # [R]
+        first = torch.cumsum(flat_counts, 0) - flat_counts  # [S] first new row of each segment
+        local = torch.arange(total) - first[segment]  # [R] index among the new rows
+        owners = counts.shape[1]
+        layer_of, owner_of = segment // owners, segment % owners
+        index = base.reshape(-1)[segment] + local  # [R] row index inside its owner
+        page = self._table[layer_of, slot, owner_of, index // rows]
+        dest = (page * rows + index % rows).to(self.device)
+        source = (starts.reshape(-1)[segment] + local).to(keys.device)
+        d_h = self.config.head_dim
+        pool = self.pool
+        pool.keys.view(-1, d_h).index_copy_(0, dest, keys[source].to(self.device, pool.dtype))
+        pool.values.view(-1, d_h).index_copy_(0, dest, values[source].to(self.device, pool.dtype))
+        pool.positions.view(-1).index_copy_(
+            0, dest, positions.to(keys.device)[source].to(self.device, torch.int32))
+        self._lengths[:, slot] += counts
+
+    def _add_pages(self, slot: int, layers: torch.Tensor, heads: torch.Tensor,
+                   counts: torch.Tensor) -> None:
+        """`counts[i]` new pages at the end of (layers[i], slot, heads[i]), in one allocation
+        that continues each owner's last page in place where the pool can (so attention reads
+        the owner's rows as one run), new extents in the layer's region of the pool."""
+        held = self._pages[layers, slot, heads]  # [n]
+        last = self._table[layers, slot, heads, (held - 1).clamp(min=0)]
+        after = torch.where(held > 0, last, -1)
+        region = self.pool.num_pages // self.config.num_layers  # each layer's own region
+        try:
+            ids = self.pool.allocate_extents(self._leases[slot], counts.tolist(), after.tolist(),
+                                             (layers * region).tolist())
+        except KVPoolExhausted as exc:
+            raise KVPoolExhausted(exc.field, exc.reason, self.request_ids[slot]) from None
+        self._invalidate()
+        if int((held + counts).max()) > self._table.shape[-1]:
+            self._grow_table(int((held + counts).max()))
+        owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # [P]
+        first = torch.cumsum(counts, 0) - counts
+        column = held[owner] + torch.arange(ids.numel()) - first[owner]
+        self._table[layers[owner], slot, heads[owner], column] = ids.cpu()
+        self._pages[layers, slot, heads] += counts
+
+    def _grow_table(self, pages: int) -> None:
+        width = max(pages, 2 * self._table.shape[-1])
+        grown = torch.zeros((*self._table.shape[:3], width), dtype=torch.long)
+        grown[..., : self._table.shape[-1]] = self._table
+        self._table = grown
+
+    def _private_pool(self, batch: int, rows: int, page_rows: int) -> PagePool:
+        pages = batch * self.config.num_layers * self.num_owners * -(-rows // page_rows)
+        return PagePool(pages, self.config.head_dim, self.dtype, self.device, page_rows,
+                        field="decode_cache", growable=True)
+
+    def _check_pool(self, pool: PagePool) -> None:
+        wanted = (self.config.head_dim, self.dtype, self.device)
+        if (pool.head_dim, pool.dtype, pool.device) != wanted:
             raise InvalidModelInput(
-                "owner_to_kv_head", "owners other than K/V heads must be the query heads "
-                f"in q_to_kv_head_map order {list(self.config.q_to_kv_head_map)}"
-            )
-        owner_map = torch.tensor(owner_to_kv_head, dtype=torch.long, device=self.device)
-        return len(owner_to_kv_head), owner_map
+                "pool", f"pages of d_h {pool.head_dim} {pool.dtype} on {pool.device}; this cache "
+                f"needs d_h {self.config.head_dim} {self.dtype} on {self.device}")
 
-    def _new_slot(self, request_id: str, frontier: int) -> int:
+    def _new_slot(self, request_id: str, frontier: int, lease: PageLease | None) -> int:
         if request_id in self.request_ids:
             raise InvalidModelInput("request_id", f"{request_id!r} is already admitted")
         slot = self.batch_size
         self._undoable = False
+        self._invalidate()
         if slot == self._frontier.shape[0]:
             self._grow_batch(2 * slot)
         self.request_ids.append(request_id)
+        self._leases.append(lease if lease is not None else self.pool.ledger.reserve(0, request_id))
+        self._own_lease.append(lease is None)
         self._frontier[slot] = frontier
-        self._rows[:, slot] = 0
-        for slab in self._slabs:
-            slab.lengths[slot] = 0
+        self._lengths[:, slot] = 0
+        self._pages[:, slot] = 0
         return slot
 
     def _grow_batch(self, slots: int) -> None:
         used = self.batch_size
-        self._slabs = [
-            slab.resized(slots, slab.capacity, used, int(self._rows[layer, :used].max(initial=0)))
-            for layer, slab in enumerate(self._slabs)
-        ]
+
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            bigger = torch.zeros((tensor.shape[0], slots, *tensor.shape[2:]), dtype=tensor.dtype)
+            bigger[:, :used] = tensor[:, :used]
+            return bigger
+
+        self._lengths, self._pages, self._table = (
+            grown(self._lengths), grown(self._pages), grown(self._table))
         frontier = torch.zeros(slots, dtype=torch.int64, device=self.device)
         frontier[:used] = self._frontier[:used]
         self._frontier = frontier
-        rows = np.zeros((self.config.num_layers, slots), dtype=np.int64)
-        rows[:, :used] = self._rows[:, :used]
-        self._rows = rows
-
-    def _reserve(self, layer: int, needed_rows: int) -> None:
-        slab = self._slabs[layer]
-        if needed_rows <= slab.capacity:
-            return
-        capacity = max(needed_rows + needed_rows // 4, 2 * slab.capacity)  # headroom to append
-        used = int(self._rows[layer, : self.batch_size].max(initial=0))
-        self._slabs[layer] = slab.resized(slab.keys.shape[0], capacity, self.batch_size, used)
-
-    def _write(
-        self, layer: int, slot: int, head: int,
-        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-    ) -> None:
-        slab = self._slabs[layer]
-        self._undoable = False
-        start = int(slab.lengths[slot, head])
-        stop = start + keys.shape[0]
-        slab.keys[slot, head, start:stop] = keys.to(device=self.device, dtype=self.dtype)
-        slab.values[slot, head, start:stop] = values.to(device=self.device, dtype=self.dtype)
-        slab.positions[slot, head, start:stop] = positions.to(device=self.device, dtype=torch.int32)
-        slab.lengths[slot, head] = stop
-        self._rows[layer, slot] = max(int(self._rows[layer, slot]), stop)
-
-    def _slot(self, request_id: str) -> int:
-        try:
-            return self.request_ids.index(request_id)
-        except ValueError:
-            raise InvalidModelInput("request_id", f"{request_id!r} is not admitted") from None
-
-    def _check_view(self, view: PackedRows) -> None:
-        d_h = self.config.head_dim
-        if view.packed_k.ndim != 2 or view.packed_k.shape[1] != d_h:
-            raise InvalidModelInput("packed_k", f"shape {tuple(view.packed_k.shape)}, need [R, {d_h}]")
-        if view.packed_v.shape != view.packed_k.shape:
-            raise InvalidModelInput("packed_v", "shape differs from packed_k")
-        if view.original_position_map.shape != view.packed_k.shape[:1]:
-            raise InvalidModelInput("original_position_map", "needs one position per packed row")
-        expected = (self.config.num_layers, self.num_owners + 1)
-        if tuple(view.row_offsets.shape) != expected:
-            raise InvalidModelInput(
-                "row_offsets", f"shape {tuple(view.row_offsets.shape)}, this cache needs {expected}"
-            )

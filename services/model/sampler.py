@@ -99,18 +99,6 @@ def check_sampling(
         raise InvalidModelInput("sampling.max_tokens", f"{max_tokens} is not in [1, {limits.max_tokens}]")
 
 
-def step_generator(
-    params: SamplingParams, step: int, device: torch.device
-) -> torch.Generator | None:
-    """The generator for output token `step` (0-based) of a seeded request; None when greedy
-    or unseeded (unseeded sampling draws from torch's global generator)."""
-    if params.greedy or params.seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(_mix(params.seed, step))
-    return generator
-
-
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """Rows of logits `[B, V]` a token can be sampled from `[B]` bool: no NaN, no +inf, and at
     least one finite entry (-inf entries are tokens that cannot be drawn)."""
@@ -122,47 +110,106 @@ def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
 ) -> torch.Tensor:
     """logits `[B, V]` -> token ids `[B]`; row b is output token steps[b] of a request
-    sampled with params[b]. NonFiniteLogits names the rows that are not `finite_rows`."""
+    sampled with params[b]. NonFiniteLogits names the rows that are not `finite_rows`.
+
+    Vectorized over the batch: greedy rows take one argmax, sampled rows one float64
+    distribution `[S, V]` and one race `argmax(probs / Exp(1) noise)`, which is exactly what
+    `torch.multinomial(probs, 1, generator)` computes (its one-sample path), so a seeded row
+    draws the same token it drew when it was sampled alone. Only the noise of a seeded row is
+    drawn per row: its stream is (seed, step) alone, from one generator reseeded per row."""
     if len(params) != logits.shape[0] or len(steps) != logits.shape[0]:
         raise InvalidModelInput("sampling", "need one SamplingParams and step per logits row")
     unsound = (~finite_rows(logits)).nonzero().flatten().tolist()
     if unsound:
         raise NonFiniteLogits(tuple(unsound))
-    tokens = [
-        _sample_row(row, p, step_generator(p, step, logits.device))
-        for row, p, step in zip(logits, params, steps, strict=True)
-    ]
-    return torch.stack(tokens)
+    tokens = logits.argmax(dim=-1)  # [B]; final for greedy rows
+    drawn = [b for b, p in enumerate(params) if not p.greedy]
+    if not drawn:
+        return tokens
+    index = torch.tensor(drawn, dtype=torch.long, device=logits.device)
+    drawn_params = [params[b] for b in drawn]
+    probs = batch_sampling_probs(logits.index_select(0, index), drawn_params)  # [S, V]
+    noise = _exponential_noise(probs, drawn_params, [steps[b] for b in drawn])  # [S, V]
+    tokens[index] = (probs / noise).argmax(dim=-1)
+    return tokens
 
 
-def _sample_row(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+def _exponential_noise(
+    probs: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
 ) -> torch.Tensor:
-    if params.greedy:
-        return logits.argmax()
-    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[0]
+    """Exp(1) noise `[S, V]` like `probs`: a seeded row from its (seed, step) stream, the
+    unseeded rows in one draw from torch's global generator."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+        noise[rows] = torch.empty_like(noise[rows]).exponential_(1.0)
+    generator: torch.Generator | None = None
+    for i, (p, step) in enumerate(zip(params, steps, strict=True)):
+        if p.seed is None:
+            continue
+        if generator is None:  # one per call, reseeded per row: no shared state across threads
+            generator = torch.Generator(device=probs.device)
+        generator.manual_seed(_mix(p.seed, step))
+        noise[i].exponential_(1.0, generator=generator)
+    return noise
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled (temperature > 0) request draws from, float64 `[V]`: zero
     outside the top-k and outside the smallest top-p nucleus, finite, and positive at the best
     token for every sound row (`finite_rows`) and every value `check_sampling` admits."""
+    return batch_sampling_probs(logits[None], [params])[0]
+
+
+def batch_sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`sampling_probs` of every row of logits `[S, V]` under its own params, float64 `[S, V]`;
+    each row equals `sampling_probs` of that row alone (every step is row-wise)."""
     logits = logits.double()
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    scaled = (logits - logits.max()) / params.temperature  # in [-inf, 0]; the best token is 0
+    logits = _mask_top_k(logits, [p.top_k for p in params])
+    temperature = torch.tensor(
+        [p.temperature for p in params], dtype=torch.float64, device=logits.device
+    )
+    best = logits.amax(dim=-1, keepdim=True)
+    scaled = (logits - best) / temperature[:, None]  # in [-inf, 0]; the best token is 0
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        # Ranked by logit, which orders the probabilities too, and keeps that order where a
-        # huge temperature rounds them to ties.
-        order = torch.argsort(logits, descending=True)
-        ordered = probs[order]
-        mass_before = torch.cumsum(ordered, dim=-1) - ordered  # exactly 0 for the best token
-        drop = torch.zeros_like(probs, dtype=torch.bool)
-        drop[order] = mass_before >= params.top_p
-        probs = probs.masked_fill(drop, 0.0)
-    return probs
+    return _mask_top_p(probs, logits, [p.top_p for p in params])
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """-inf below each row's k-th largest logit (rows whose k is 0 or >= V untouched)."""
+    vocab = int(logits.shape[-1])
+    rows = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    if not rows:
+        return logits
+    ks = torch.tensor([top_k[i] for i in rows], dtype=torch.long, device=logits.device)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    picked = logits.index_select(0, index)  # [R, V]
+    largest = torch.topk(picked, int(ks.max()), dim=-1).values  # [R, k_max], descending
+    kth = largest.gather(-1, (ks - 1)[:, None])  # [R, 1]
+    out = logits.clone()
+    out[index] = picked.masked_fill(picked < kth, float("-inf"))
+    return out
+
+
+def _mask_top_p(probs: torch.Tensor, logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+    """Zero outside each row's smallest top-p nucleus (rows whose top_p is 1 untouched)."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return probs
+    index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+    threshold = torch.tensor([top_p[i] for i in rows], dtype=torch.float64, device=probs.device)
+    picked = probs.index_select(0, index)  # [R, V]
+    # Ranked by logit, which orders the probabilities too, and keeps that order where a huge
+    # temperature rounds them to ties.
+    order = torch.argsort(logits.index_select(0, index), dim=-1, descending=True)  # [R, V]
+    ordered = picked.gather(-1, order)
+    mass_before = torch.cumsum(ordered, dim=-1) - ordered  # exactly 0 for the best token
+    drop = torch.zeros_like(picked, dtype=torch.bool)
+    drop.scatter_(-1, order, mass_before >= threshold[:, None])
+    out = probs.clone()
+    out[index] = picked.masked_fill(drop, 0.0)
+    return out
 
 
 def _mix(seed: int, step: int) -> int:

@@ -174,7 +174,8 @@ def test_named_terms_are_the_bytes_of_the_actual_tensors(name: str) -> None:
     assert ledger.visible_payload_bytes == view.payload_bytes
     if scores is not None:
         assert ledger.score_workspace_bytes >= pooling_buffers(manifest, result)
-        assert ledger.score_workspace_bytes >= 7 * result.observation[0].numel()  # isfinite, a layer
+        vote = 4 * result.observation[..., 0, : scores.shape[2]].numel()  # [L, H_q, T_p]
+        assert ledger.score_workspace_bytes >= vote + 4  # the vote and its maximum (input check)
 
 
 def pooling_buffers(manifest: KVVisibilityPolicyManifest, result: PrefillResult) -> int:

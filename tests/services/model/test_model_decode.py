@@ -214,13 +214,13 @@ def test_varlen_kernel_matches_padded_decode_on_cuda(tmp_path):
     save_reference(tmp_path, "llama", seed=12)
     loaded = load(tmp_path, device="cuda", dtype="bf16")
     caches = {name: DecodeCache(loaded.config, loaded.dtype, "cuda", backend=name)
-              for name in ("padded", "varlen")}
+              for name in ("torch", "varlen")}
     for seed, length in ((1, 40), (2, 23)):
         result, selected, _ = _request(loaded, seed, length, keep=0.3)
         view = pack(result.source_k, result.source_v, selected)
         for cache in caches.values():
             cache.admit_view(str(seed), view, frontier=length)
     for token in (5, 6, 7):
-        padded = decode_step(loaded.model, caches["padded"], [token, token])
+        padded = decode_step(loaded.model, caches["torch"], [token, token])
         varlen = decode_step(loaded.model, caches["varlen"], [token, token])
         torch.testing.assert_close(varlen, padded, atol=5e-2, rtol=5e-2)
