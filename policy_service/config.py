@@ -12,7 +12,8 @@ from services.policy.types import MAX_LEASE_MS
 from services.redis_embedded import APPENDFSYNC_MODES
 from services.rpc.server import ServerConfig
 
-REDIS_SCHEMES = ("redis", "rediss")
+# `+cluster`: a Redis Cluster (redis-py's RedisCluster; the URL names one startup node).
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class PolicyServiceConfig:
                 raise ValueError(f"redis_url: scheme {scheme!r} is not one of {REDIS_SCHEMES}")
         if self.redis_appendfsync not in APPENDFSYNC_MODES:
             raise ValueError(f"redis_appendfsync: {self.redis_appendfsync!r} is not one of {APPENDFSYNC_MODES}")
-        if not self.key_prefix or any(c.isspace() for c in self.key_prefix):
-            raise ValueError("key_prefix: must be non-empty without whitespace")
+        if not self.key_prefix or any(c.isspace() or c in "{}" for c in self.key_prefix):
+            raise ValueError("key_prefix: must be non-empty without whitespace or braces")
         for name in ("default_lease_ms", "end_retention_ms"):
             value = getattr(self, name)
             if not 0 < value <= MAX_LEASE_MS:
@@ -80,6 +81,17 @@ def served_deployment(checkpoint: Path, dtype: str | None) -> Deployment:
 
     config = read_checkpoint(checkpoint).config
     return Deployment(make_tensor_contract(config, resolve_dtype(dtype, config.checkpoint_dtype)))
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (`redis+cluster://`, `rediss+cluster://`)."""
+    return urlsplit(url).scheme.endswith("+cluster")
+
+
+def plain_redis_url(url: str) -> str:
+    """`url` with `+cluster` dropped from its scheme (what redis-py's from_url parses)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
 
 
 def redact_url(url: str) -> str:

@@ -117,6 +117,7 @@ class Recovery:
         epoch = await self.store.epoch()
         if epoch is not None and epoch == self.epoch:
             return
+        self.store.forget_present()  # what this process saw in Redis may be gone with it
         if epoch is None and self.epoch is not None:
             self.restores += 1
             log.warning("redis at %s lost its data (epoch %s is gone); restoring manifests", self._where, self.epoch)

@@ -18,16 +18,16 @@ import logging
 import signal
 
 import redis.exceptions
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from policy_service.archive import ManifestArchive
-from policy_service.config import PolicyServiceConfig, redact_url
+from policy_service.config import PolicyServiceConfig, is_cluster_url, plain_redis_url, redact_url
 from policy_service.pending_ends import PendingEnds
 from policy_service.recovery import Recovery
 from policy_service.service import SERVICE_NAME, PolicyServicer
-from policy_service.store import KeySchema, PolicyStore
+from policy_service.store import KeySchema, PolicyStore, RedisClient
 from services.redis_embedded import EmbeddedRedis, EmbeddedRedisConfig
 from services.rpc.kvrelay.v1 import policy_pb2_grpc
 from services.rpc.readiness import ReadinessCheck
@@ -41,14 +41,24 @@ class PolicyStartupError(RuntimeError):
     """Redis could not be reached, refused our credentials, or is too old."""
 
 
-def redis_client(url: str, config: PolicyServiceConfig) -> Redis:
+def redis_client(url: str, config: PolicyServiceConfig) -> RedisClient:
     """An asyncio client for redis:// or rediss:// (user and password from the URL) with
-    bounded retries and exponential backoff on connection errors and timeouts."""
+    bounded retries and exponential backoff on connection errors and timeouts; for
+    redis+cluster:// or rediss+cluster:// a RedisCluster (the same limits, per node)."""
     retry = Retry(
         ExponentialBackoff(cap=config.redis_backoff_cap_s, base=config.redis_backoff_base_s),
         retries=config.redis_retries,
         supported_errors=(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError),
     )
+    if is_cluster_url(url):
+        return RedisCluster.from_url(
+            plain_redis_url(url),
+            max_connections=config.redis_max_connections,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            retry=retry,
+            decode_responses=True,
+        )
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=config.redis_max_connections,
@@ -61,10 +71,13 @@ def redis_client(url: str, config: PolicyServiceConfig) -> Redis:
     return Redis(connection_pool=pool)
 
 
-async def check_redis(client: Redis, url: str) -> None:
-    """Fail fast with a clear message on bad credentials, no server, or Redis < 6.2."""
+async def check_redis(client: RedisClient, url: str) -> None:
+    """Fail fast with a clear message on bad credentials, no server, Redis < 6.2, or a URL
+    that says cluster (or not) when the server says otherwise."""
     where = redact_url(url)
     try:
+        if isinstance(client, RedisCluster):
+            await client.initialize()  # reads the slot map from the startup node
         info = await client.info("server")
     except redis.exceptions.AuthenticationError as exc:
         raise PolicyStartupError(f"redis at {where} refused authentication: {exc}") from exc
@@ -74,6 +87,10 @@ async def check_redis(client: Redis, url: str) -> None:
         raise
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         raise PolicyStartupError(f"redis at {where} is unreachable: {exc}") from exc
+    except redis.exceptions.RedisClusterException as exc:  # no cluster there, or none reachable
+        raise PolicyStartupError(f"redis cluster at {where} could not be used: {exc}") from exc
+    if info.get("redis_mode") == "cluster" and not isinstance(client, RedisCluster):
+        raise PolicyStartupError(f"redis at {where} is a cluster node: use a redis+cluster:// URL")
     version = tuple(int(part) for part in str(info["redis_version"]).split(".")[:2])
     if version < MIN_REDIS_VERSION:
         raise PolicyStartupError(f"redis at {where} is {info['redis_version']}; kvrelay needs >= 6.2")
@@ -82,7 +99,7 @@ async def check_redis(client: Redis, url: str) -> None:
 class PolicyServer:
     """A running policy service."""
 
-    def __init__(self, config: PolicyServiceConfig, rpc: RpcServer, client: Redis,
+    def __init__(self, config: PolicyServiceConfig, rpc: RpcServer, client: RedisClient,
                  embedded: EmbeddedRedis | None, recovery: Recovery) -> None:
         self.config = config
         self.rpc = rpc
@@ -122,7 +139,7 @@ class PolicyServer:
         except BaseException:
             if recovery is not None:
                 await recovery.stop()
-            await client.aclose(close_connection_pool=True)
+            await close_client(client)
             if embedded is not None:
                 await asyncio.to_thread(embedded.close)
             raise
@@ -133,12 +150,20 @@ class PolicyServer:
         """Drain gRPC, close Redis connections, stop the embedded redis-server (AOF flushed)."""
         await self.rpc.stop(grace_s)
         await self.recovery.stop()
-        await self.redis.aclose(close_connection_pool=True)
+        await close_client(self.redis)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.close)
 
 
-def policy_store(client: Redis, config: PolicyServiceConfig) -> PolicyStore:
+async def close_client(client: RedisClient) -> None:
+    """Close the client and its connections (a cluster client owns one pool per node)."""
+    if isinstance(client, RedisCluster):
+        await client.aclose()
+    else:
+        await client.aclose(close_connection_pool=True)
+
+
+def policy_store(client: RedisClient, config: PolicyServiceConfig) -> PolicyStore:
     """The store with its archive (journal read back) and its pending ends (retried for as
     long as a request lease lasts: past that Redis drops the key anyway)."""
     archive = ManifestArchive(config.manifest_journal)

@@ -70,6 +70,8 @@ class EmbeddedRedisConfig:
     executable: str | None = None
     start_timeout_s: float = 10.0
     stop_timeout_s: float = 10.0
+    # More redis.conf lines (e.g. cluster mode, services.redis_cluster), after the defaults.
+    extra_config: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -80,6 +82,8 @@ class EmbeddedRedisConfig:
             raise ValueError(f"appendfsync: {self.appendfsync!r} is not one of {APPENDFSYNC_MODES}")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("start_timeout_s/stop_timeout_s: must be positive")
+        if any("\n" in line or "\r" in line for line in self.extra_config):
+            raise ValueError("extra_config: one redis.conf line each, without line breaks")
 
 
 def _is_config_safe(value: str) -> bool:
@@ -214,6 +218,7 @@ class EmbeddedRedis:
             f"dir {data_dir if data_dir else self._workdir}",
             f"appendonly {'yes' if data_dir else 'no'}",
             f"appendfsync {self.config.appendfsync}",
+            *self.config.extra_config,
         ]
         return "\n".join(lines) + "\n"
 

@@ -1,15 +1,13 @@
--- Compare-and-publish a successor state.
--- KEYS[1] req:{request_id}   KEYS[2] manifest:{sha}
+-- Compare-and-publish a successor state. The manifest is not looked at here: it lives in
+-- another hash slot, and the store checks that it is registered first (policy_service.store).
+-- KEYS[1] req:{request_id}
 -- ARGV[1] request_generation   ARGV[2] parent_state_generation   ARGV[3] state_generation
 -- ARGV[4] cache_generation     ARGV[5] receipt_digest            ARGV[6] manifest sha
 -- ARGV[7] phase   ARGV[8] prefill worker ('' keeps)   ARGV[9] decode worker ('' keeps)
 -- ARGV[10] lease_ms
--- -> {'missing'} | {'no_manifest'} | fence_reply('published'|'already'|'stale'|'ended')
+-- -> {'missing'} | fence_reply('published'|'already'|'stale'|'ended')
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {'missing'}
-end
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  return {'no_manifest'}
 end
 local cur = redis.call('HMGET', KEYS[1], 'request_generation', 'state_generation',
   'cache_generation', 'receipt_digest', 'manifest_sha', 'phase')

@@ -1,5 +1,6 @@
 -- Store a manifest once and index it under (name, policy_generation).
--- KEYS[1] manifest:{sha}   KEYS[2] policy:{name}   KEYS[3] manifests (index)
+-- KEYS[1] manifest:{sha}   KEYS[2] policy:{name}   KEYS[3] manifests (index); all three in
+-- the registry's hash slot (policy_service.store.KeySchema)
 -- ARGV[1] sha   ARGV[2] canonical JSON   ARGV[3] name   ARGV[4] policy_generation
 -- -> {'created'|'exists'|'conflict', sha currently registered under (name, generation)}
 -- Each key is written where it is missing, so registering again heals a partial loss (an

@@ -1,9 +1,11 @@
-"""Fixtures: a real policy service per test (own key prefix) on the shared `redis_server`,
-typed clients, and small valid manifests from the kvpolicy core."""
+"""Fixtures: a real policy service per test (own key prefix) on the shared `redis_server` or,
+where a module parametrizes `redis_url` with "cluster" (indirect), on one local Redis Cluster
+(three masters, three replicas) started once per session; typed clients, and small valid
+manifests from the kvpolicy core."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from policy_helpers import service_config
@@ -16,12 +18,28 @@ from services.kvpolicy.manifest import (
     default_manifests,
 )
 from services.policy import PolicyClient, PolicyClientConfig
-from services.redis_embedded import EmbeddedRedis
+from services.redis_cluster import EmbeddedRedisCluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedRedisCluster]:
+    with EmbeddedRedisCluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture
-async def policy_server(redis_server: EmbeddedRedis) -> AsyncIterator[PolicyServer]:
-    server = await PolicyServer.start(service_config(redis_server.url, end_retention_ms=300))
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The policy service's Redis: "single" (default) or "cluster" (`indirect` parameter)."""
+    backend = getattr(request, "param", "single")
+    if backend == "cluster":
+        return str(request.getfixturevalue("redis_cluster").url)
+    assert backend == "single", backend
+    return str(request.getfixturevalue("redis_server").url)
+
+
+@pytest.fixture
+async def policy_server(redis_url: str) -> AsyncIterator[PolicyServer]:
+    server = await PolicyServer.start(service_config(redis_url, end_retention_ms=300))
     yield server
     await server.stop(0)
 

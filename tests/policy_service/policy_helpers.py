@@ -8,6 +8,9 @@ import uuid
 from policy_service.config import PolicyServiceConfig
 from services.rpc.server import ServerConfig
 
+# Where a test runs against both: one redis-server, and a three-master Redis Cluster.
+BACKENDS = ("single", "cluster")
+
 
 def service_config(redis_url: str, **overrides: object) -> PolicyServiceConfig:
     """A loopback service on a free port with a key prefix no other test uses."""

@@ -224,10 +224,11 @@ async def context(channel: grpc.aio.Channel, manifests: dict[str, KVVisibilityPo
 
 
 def keyspace(url: str, prefix: str) -> dict[str, Any]:
-    """Every key under `prefix` with its full content (not its TTL)."""
+    """Every key under `prefix` (the registry's carry it inside their hash tag) with its full
+    content (not its TTL)."""
     with redis.Redis.from_url(url, decode_responses=True) as r:
         snapshot: dict[str, Any] = {}
-        for key in r.scan_iter(match=f"{prefix}*"):
+        for key in r.scan_iter(match=f"*{prefix}*"):
             kind = r.type(key)
             snapshot[key] = r.hgetall(key) if kind == "hash" else r.get(key)
         return snapshot

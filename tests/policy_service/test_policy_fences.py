@@ -1,4 +1,5 @@
-"""Generation fences through the real gRPC server and a real redis-server."""
+"""Generation fences through the real gRPC server and a real redis-server, and again on a real
+three-master Redis Cluster (`redis_url` parametrized)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from policy_helpers import digest
+from policy_helpers import BACKENDS, digest
 
 from policy_service.server import PolicyServer
 from services.policy import (
@@ -19,6 +20,7 @@ from services.policy import (
     StatePublication,
 )
 
+pytestmark = pytest.mark.parametrize("redis_url", BACKENDS, indirect=True)
 PUBLISHERS = 64
 ROUNDS = 16
 

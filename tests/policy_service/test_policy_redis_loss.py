@@ -2,7 +2,8 @@
 health turns NOT_SERVING while Redis is unreachable, manifests come back without a restart of
 anything (from memory, or from the journal of a restarted service), fences of requests lost
 with Redis are answered NotFound and never matched by a later request, and ends Redis missed
-land once it is back. (A SIGKILLed owner leaves no redis-server behind:
+land once it is back; the read-repair and replica-restore tests run on a Redis Cluster too.
+(A SIGKILLed owner leaves no redis-server behind:
 tests/services/test_redis_embedded.py, and under `kvrelay up` tests/e2e/test_e2e_redis_loss.py.)"""
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from policy_helpers import digest, service_config
+from policy_helpers import BACKENDS, digest, service_config
 
 from policy_service.archive import ManifestArchive
-from policy_service.config import PolicyServiceConfig
+from policy_service.config import PolicyServiceConfig, is_cluster_url, plain_redis_url
 from policy_service.pending_ends import PendingEnds
 from policy_service.server import PolicyServer
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
@@ -113,40 +114,48 @@ async def _serving_with(client: PolicyClient, shas: set[str]) -> bool:
         return False
 
 
+@pytest.mark.parametrize("redis_url", BACKENDS, indirect=True)
 async def test_a_read_that_misses_an_archived_manifest_writes_it_back_at_once(
-    redis_server: EmbeddedRedis, manifests: dict[str, KVVisibilityPolicyManifest]
+    redis_url: str, manifests: dict[str, KVVisibilityPolicyManifest]
 ) -> None:
     # A recovery loop too slow to help: the reads themselves must repair.
-    config = service_config(redis_server.url, recovery_interval_s=60.0)
+    config = service_config(redis_url, recovery_interval_s=60.0)
     server = await PolicyServer.start(config)
     try:
         async with PolicyClient(PolicyClientConfig(server.address, timeout_s=5.0)) as client:
             shas = await register_all(client, manifests)
             sha = sorted(shas)[0]
             fence = await client.begin_request("repair")
-            wipe(redis_server, config.key_prefix, keep="req:")  # manifests gone, the request kept
+            wipe(redis_url, config.key_prefix, keep="req:")  # manifests gone, the request kept
             assert (await client.get_manifest(sha)).ref.sha256 == sha
-            wipe(redis_server, config.key_prefix, keep="req:")
+            wipe(redis_url, config.key_prefix, keep="req:")
             published = await client.publish_state(first_state("repair", fence.request_generation, sha))
             assert published.fence.manifest_sha256 == sha
-            wipe(redis_server, config.key_prefix, keep="req:")
+            wipe(redis_url, config.key_prefix, keep="req:")
             assert await listed(client) == shas
     finally:
         await server.stop(0)
 
 
-def wipe(server: EmbeddedRedis, prefix: str, keep: str) -> None:
-    """Delete this test's keys (the shared Redis serves other prefixes too), but `prefix+keep*`."""
-    with redis.Redis.from_url(server.url) as direct:
-        doomed = [k for k in direct.scan_iter(f"{prefix}*") if not k.decode().startswith(prefix + keep)]
+def wipe(url: str, prefix: str, keep: str) -> None:
+    """Delete this test's keys (the shared Redis serves other prefixes too), but `prefix+keep*`,
+    on every master of a cluster. (Registry keys carry the prefix inside their hash tag:
+    `{prefix registry}:...`.)"""
+    direct = redis.RedisCluster.from_url(plain_redis_url(url)) if is_cluster_url(url) else redis.Redis.from_url(url)
+    try:
+        doomed = [k for k in direct.scan_iter(f"*{prefix}*") if not k.decode().startswith(prefix + keep)]
         assert doomed
-        direct.delete(*doomed)
+        for key in doomed:  # one at a time: the keys may live in different slots
+            direct.delete(key)
+    finally:
+        direct.close()
 
 
+@pytest.mark.parametrize("redis_url", BACKENDS, indirect=True)
 async def test_a_replica_restores_what_another_replica_registered(
-    redis_server: EmbeddedRedis, manifests: dict[str, KVVisibilityPolicyManifest]
+    redis_url: str, manifests: dict[str, KVVisibilityPolicyManifest]
 ) -> None:
-    config = service_config(redis_server.url, **FAST)
+    config = service_config(redis_url, **FAST)
     survivor = await PolicyServer.start(config)
     try:
         other = await PolicyServer.start(config)  # same Redis, same keys: a second replica
@@ -157,7 +166,7 @@ async def test_a_replica_restores_what_another_replica_registered(
             await other.stop(0)
         async with PolicyClient(PolicyClientConfig(survivor.address, timeout_s=5.0)) as client:
             await poll(lambda: _archived(survivor, shas), 5.0, "mirrored from Redis")
-            wipe(redis_server, config.key_prefix, keep="nothing")  # the epoch goes too
+            wipe(redis_url, config.key_prefix, keep="nothing")  # the epoch goes too
             await poll(lambda: _serving_with(client, shas), RECOVERY_TARGET_S, "restored")
             await poll(lambda: _restored_once(survivor), 5.0, "the loss noticed")  # listing repairs first
     finally:

@@ -17,6 +17,7 @@ import redis
 from policy_helpers import service_config
 
 from policy_service.server import PolicyServer
+from policy_service.store import KeySchema
 from services.kvpolicy.fit import Deployment
 from services.kvpolicy.manifest import (
     DType,
@@ -81,13 +82,13 @@ async def test_listing_skips_undecodable_entries_logs_each_once_and_counts_them(
 ) -> None:
     good = manifests["snapkv"]
     await client.register_manifest(good.canonical_json())
-    prefix = policy_server.config.key_prefix
+    keys = KeySchema(policy_server.config.key_prefix)
     # What an older build, a hand edit or another tool could have left in Redis.
     with redis.Redis.from_url(redis_server.url, decode_responses=True) as r:
-        r.hset(f"{prefix}manifests", mapping={"a" * 64: f"{2**63}:snapkv", "b" * 64: "x:snapkv",
-                                              "c" * 64: "no-colon", "NOT-A-SHA": "3:snapkv",
-                                              "d" * 64: "4:Bad Name"})
-        r.hset(f"{prefix}policy:snapkv", mapping={str(2**63): "a" * 64, "two": "b" * 64})
+        r.hset(keys.manifest_index(), mapping={"a" * 64: f"{2**63}:snapkv", "b" * 64: "x:snapkv",
+                                               "c" * 64: "no-colon", "NOT-A-SHA": "3:snapkv",
+                                               "d" * 64: "4:Bad Name"})
+        r.hset(keys.policy("snapkv"), mapping={str(2**63): "a" * 64, "two": "b" * 64})
     counted = POLICY_UNDECODABLE_ENTRIES._value.get()
     with caplog.at_level(logging.ERROR, logger="policy_service.store"):
         for _ in range(2):
