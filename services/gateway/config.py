@@ -13,6 +13,38 @@ DEFAULT_POLICY = "snapkv"
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP front (services/gateway/openai_api) in the gateway process.
+
+    `port` 0 picks a free port (`kvrelay serve gateway --http-port 0` turns the front off
+    instead). `model_name` is the id `/v1/models` lists and requests must name (default: the
+    checkpoint's file or directory name). `ssl_certfile`/`ssl_keyfile` (both or neither) serve
+    HTTPS through uvicorn. `request_timeout_s` bounds each request: admission wait included,
+    then 504 (`DeadlineExceeded`).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model_name: str = ""
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    request_timeout_s: float = 600.0
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host: must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} is not in [0, 65535]")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile/ssl_keyfile: give both or neither")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s: {self.request_timeout_s} must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s: {self.shutdown_grace_s} must be >= 0")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The served checkpoint (its tokenizer, vocabulary, context length and tensor contract),
     where the policy service and the workers are, request limits and deadlines.
@@ -56,6 +88,8 @@ class GatewayConfig:
     # Threads that tokenize big prompts, and how many big prompts may wait for one.
     tokenizer_threads: int = 2
     tokenizer_max_waiting: int = 16
+    # The OpenAI-compatible HTTP front; None: off.
+    http: HttpConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.policy_address:

@@ -10,7 +10,9 @@ retried up to `max_retries` times on other workers with a new request generation
 BeginRequest again fences the failed attempt out. After the first token the stream ends
 with UNAVAILABLE; the tokens already sent stay valid. A client cancel cancels both workers'
 calls and ends the request in the policy service, so a decode worker that has not yet
-verified the transfer rejects it and frees its reservation.
+verified the transfer rejects it and frees its reservation. A caller that needs no more tokens
+(the HTTP front, when a stop string matched) says so through `stop_requested`: the decode call
+is cancelled the same way and the stream ends with a summary whose finish reason is STOP.
 
 Admission: the pools cap how many requests each decode worker (for the whole stream) and
 each prefill worker (for its Prefill call) has outstanding; beyond that a request waits its
@@ -41,7 +43,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -75,6 +77,8 @@ DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_nam
 _PREFILL_RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
+# Asked after each token event; True ends the stream early (a stop string matched).
+StopRequested = Callable[[], bool]
 # Backoff before asking a busy prefill worker again (full jitter, doubling up to the cap).
 _BUSY_BACKOFF_S = (0.05, 1.0)
 
@@ -118,10 +122,14 @@ class Orchestrator:
         self._in_flight: set[str] = set()
 
     async def generate(
-        self, request: GenerationInput, time_remaining_s: float | None = None
-    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        self,
+        request: GenerationInput,
+        time_remaining_s: float | None = None,
+        stop_requested: StopRequested | None = None,
+    ) -> AsyncGenerator[gateway_pb2.GenerateEvent, None]:
         """Token events, then one summary. Raises a ServiceError (mapped at the edge).
-        `time_remaining_s` is the client's deadline, if it set one: no wait outlasts it."""
+        `time_remaining_s` is the client's deadline, if it set one: no wait outlasts it.
+        `stop_requested`, asked after each token event, ends the stream early when True."""
         if request.request_id in self._in_flight:
             raise RequestInFlight(f"request {request.request_id} is still streaming on this gateway; "
                                   "choose a new request_id", field="request_id")
@@ -130,13 +138,13 @@ class Orchestrator:
             wait_s = self.deadlines.admission_s
             if time_remaining_s is not None:
                 wait_s = min(wait_s, time_remaining_s)
-            async for event in self._generate(request, time.monotonic() + wait_s):
+            async for event in self._generate(request, time.monotonic() + wait_s, stop_requested):
                 yield event
         finally:
             self._in_flight.discard(request.request_id)
 
     async def _generate(
-        self, request: GenerationInput, admit_by: float
+        self, request: GenerationInput, admit_by: float, stop_requested: StopRequested | None
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         clock = TokenClock()
         manifest = await self.resolver.resolve(request.manifest)
@@ -149,7 +157,7 @@ class Orchestrator:
                 generation = fence.request_generation
                 try:
                     async for event in self._attempt(request, manifest, generation, clock, avoid_prefill,
-                                                     avoid_decode, admit_by):
+                                                     avoid_decode, admit_by, stop_requested):
                         yield event
                     return
                 except WorkerFailed as failure:
@@ -191,12 +199,13 @@ class Orchestrator:
         avoid_prefill: frozenset[str],
         avoid_decode: frozenset[str],
         admit_by: float,
+        stop_requested: StopRequested | None = None,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         async with self.decode.lease(avoid_decode, _left(admit_by)) as decode:
             async with self.prefill.lease(avoid_prefill, _left(admit_by)) as prefill:
                 prefilled = await self._prefill(request, manifest, generation, prefill, decode)
             route = Route(request.request_id, manifest.sha256, len(request.prompt_ids), prefill.address, decode.address)
-            async for event in self._stream(request, generation, prefilled, route, decode, clock):
+            async for event in self._stream(request, generation, prefilled, route, decode, clock, stop_requested):
                 yield event
 
     async def _prefill(
@@ -247,6 +256,7 @@ class Orchestrator:
         route: Route,
         decode: Endpoint,
         clock: TokenClock,
+        stop_requested: StopRequested | None = None,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         message = decode_pb2.StreamTokensRequest(
             request_id=request.request_id, request_generation=generation, transfer_id=prefilled.transfer.transfer_id
@@ -262,6 +272,10 @@ class Orchestrator:
                     return
                 clock.token()
                 yield gateway_pb2.GenerateEvent(token=_forward(event.token, detokenizer))
+                if stop_requested is not None and stop_requested():
+                    stopped = decode_pb2.DecodeSummary(finish_reason=common_pb2.FINISH_REASON_STOP)
+                    yield gateway_pb2.GenerateEvent(summary=build_summary(route, prefilled, stopped, clock))
+                    return
         finally:
             call.cancel()  # a no-op after the summary; frees the decode worker's KV on a client cancel
 

@@ -11,6 +11,7 @@ At most `max_waiting` big prompts wait for a thread; more are refused with RESOU
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from services.gateway.validation import (
@@ -56,10 +57,13 @@ class PromptValidator:
         """Big prompts being tokenized or waiting for a thread."""
         return self._admitted
 
-    async def validate(self, request: gateway_pb2.GenerateRequest) -> GenerationInput:
+    async def validate(
+        self, request: gateway_pb2.GenerateRequest, *, zero_max_tokens_is_default: bool = False
+    ) -> GenerationInput:
         """`validate_request`, with a big prompt size-checked here and tokenized on a thread."""
+        check = functools.partial(validate_request, zero_max_tokens_is_default=zero_max_tokens_is_default)
         if prompt_chars(request) <= INLINE_CHARS:
-            return validate_request(request, self.limits, self.tokenizer)
+            return check(request, self.limits, self.tokenizer)
         check_prompt_size(request, self.limits)
         if self._admitted >= self._capacity:
             raise ResourceExhausted(f"{self._admitted} large prompts are being tokenized; try again later",
@@ -67,9 +71,7 @@ class PromptValidator:
         self._admitted += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._threads, validate_request, request, self.limits, self.tokenizer
-            )
+            return await loop.run_in_executor(self._threads, check, request, self.limits, self.tokenizer)
         finally:
             self._admitted -= 1
 

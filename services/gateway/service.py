@@ -10,14 +10,16 @@ the root of the request's trace: it carries the request id and the summary
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from services.gateway.orchestrator import Orchestrator
+from services.gateway.orchestrator import Orchestrator, StopRequested
 from services.gateway.prompts import PromptValidator
+from services.gateway.validation import GenerationInput
 from services.rpc.errors import maps_errors
 from services.rpc.kvrelay.v1 import gateway_pb2, gateway_pb2_grpc
 from services.telemetry import metrics
@@ -40,15 +42,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         generation = await self.prompts.validate(request)
-        annotate(request_id=generation.request_id, prompt_tokens=len(generation.prompt_ids))
-        with bound_request_id(generation.request_id), metrics.GATEWAY_IN_FLIGHT.track_inprogress():
-            async for event in self.orchestrator.generate(generation, context.time_remaining()):
-                if event.HasField("summary"):
-                    _record_summary(event.summary)
+        # Closed here, in the call's task, on a cancel too: its `with` blocks bind context vars.
+        async with contextlib.aclosing(stream_events(self.orchestrator, generation, context.time_remaining())) as events:
+            async for event in events:
                 yield event
 
 
-def _record_summary(summary: gateway_pb2.GenerateSummary) -> None:
+async def stream_events(
+    orchestrator: Orchestrator,
+    generation: GenerationInput,
+    time_remaining_s: float | None = None,
+    stop_requested: StopRequested | None = None,
+) -> AsyncGenerator[gateway_pb2.GenerateEvent, None]:
+    """One validated request through the orchestrator, as both fronts (gRPC `Generate` and
+    the OpenAI-compatible HTTP front) serve it: counted in flight, its request id bound for
+    the logs, its summary recorded on the current span and in the metrics."""
+    annotate(request_id=generation.request_id, prompt_tokens=len(generation.prompt_ids))
+    with bound_request_id(generation.request_id), metrics.GATEWAY_IN_FLIGHT.track_inprogress():
+        async with contextlib.aclosing(
+            orchestrator.generate(generation, time_remaining_s, stop_requested)
+        ) as events:
+            async for event in events:
+                if event.HasField("summary"):
+                    record_summary(event.summary)
+                yield event
+
+
+def record_summary(summary: gateway_pb2.GenerateSummary) -> None:
     """Stamp the trace id on the summary, record it on the span, in the metrics and the log."""
     ids = trace.get_current_span().get_span_context()
     if ids.is_valid:

@@ -114,14 +114,18 @@ def validate_request(
     limits: RequestLimits,
     tokenizer: PromptTokenizer,
     new_request_id: Callable[[], str] = lambda: f"gen-{uuid.uuid4().hex}",
+    *,
+    zero_max_tokens_is_default: bool = False,
 ) -> GenerationInput:
-    """Check every field of `request`; `tokenizer` tokenizes a text prompt and renders a chat."""
+    """Check every field of `request`; `tokenizer` tokenizes a text prompt and renders a chat.
+    `zero_max_tokens_is_default`: a `sampling.max_tokens` of 0 takes the gateway's default (the
+    HTTP front's requests that name no max_tokens but other sampling); over gRPC 0 is refused."""
     reject_unknown_fields(request)
     request_id = request.request_id or new_request_id()
     check_request_id(request_id)
     prompt = _prompt(request, limits, tokenizer)
     end_of_turn = tokenizer.end_of_turn_ids() if request.WhichOneof("prompt") == "chat" else ()
-    sampling, max_tokens = _sampling(request, limits, len(prompt), end_of_turn)
+    sampling, max_tokens = _sampling(request, limits, len(prompt), end_of_turn, zero_max_tokens_is_default)
     return GenerationInput(
         request_id=request_id,
         prompt_ids=prompt,
@@ -249,6 +253,7 @@ def _sampling(
     limits: RequestLimits,
     prompt_len: int,
     end_of_turn: Sequence[int],
+    zero_max_tokens_is_default: bool = False,
 ) -> tuple[SamplingParams, int]:
     """The request's sampling and max_tokens; `end_of_turn` ids join its stop ids (after the
     client's own), and the stop ids the workers get are the ones checked."""
@@ -264,6 +269,8 @@ def _sampling(
     try:
         if request.HasField("sampling"):
             params, max_tokens = sampling_from_proto(request.sampling)
+            if max_tokens == 0 and zero_max_tokens_is_default:
+                max_tokens = min(limits.default_max_tokens, room)
         else:
             params, max_tokens = SamplingParams(), min(limits.default_max_tokens, room)
         stops = params.stop_token_ids

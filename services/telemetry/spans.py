@@ -53,6 +53,15 @@ def start_span(name: str, parent: context.Context | None = None, /,
     return _TRACER.start_span(name, context=parent, attributes=_attributes(attributes))
 
 
+def start_server_span(name: str, headers: Mapping[str, str], /, **attributes: object) -> trace.Span:
+    """Start (not make current) the SERVER span of a request that arrived over HTTP,
+    continuing the caller's trace when `headers` carry W3C `traceparent`. The caller ends it:
+    a streamed response outlives its handler, so the span is entered with `trace.use_span`."""
+    parent = propagate.extract({key.lower(): value for key, value in headers.items()})
+    return _TRACER.start_span(name, context=parent, kind=trace.SpanKind.SERVER,
+                              attributes=_attributes(attributes))
+
+
 def record_span(name: str, parent: context.Context | None, duration_s: float, /,
                 error: str | None = None, **attributes: object) -> None:
     """Record a span for work that another component ran and timed: it ends now and lasted
