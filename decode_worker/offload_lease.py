@@ -19,6 +19,8 @@ import grpc
 
 from services.rpc.kvrelay.v1 import offload_pb2, offload_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
+from services.security.roles import Role
+from services.security.transport import TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +38,17 @@ class RemoteHandoff:
 class OffloadChannels:
     """One gRPC channel per prefill worker's OffloadService address (event-loop confined)."""
 
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 security: TransportSecurity | None = None) -> None:
         self._max_message_bytes = max_message_bytes
+        self._security = security or TransportSecurity.local_plaintext()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> offload_pb2_grpc.OffloadServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=client_channel_options(self._max_message_bytes))
+            channel = self._security.aio_channel(address, Role.PREFILL,
+                                                 client_channel_options(self._max_message_bytes))
             self._channels[address] = channel
         return offload_pb2_grpc.OffloadServiceStub(channel)
 

@@ -67,7 +67,8 @@ class DecodeWorker:
         receiver = await asyncio.to_thread(KVReceiver, config.transfer, config.device)
         scheduler = DecodeScheduler(loaded, config.scheduler)
         scheduler.start()
-        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s))
+        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s,
+                                                 security=config.server.security))
         executor = ThreadPoolExecutor(config.receive_threads, thread_name_prefix="decode-recv")
         servicer = DecodeServicer(config, loaded, scheduler, receiver, policy, executor)
         binding = ServiceBinding(
@@ -76,6 +77,7 @@ class DecodeWorker:
         metrics.DECODE_ACTIVE.set_function(lambda: scheduler.active)
         metrics.DECODE_WAITING.set_function(lambda: scheduler.waiting)
         metrics.DECODE_KV_RESERVED.set_function(lambda: scheduler.budget.used_bytes)
+        metrics.DECODE_KV_ALLOCATED.set_function(lambda: scheduler.budget.allocated_bytes)
         try:
             rpc = await start_server(config.server, [binding], [ReadinessCheck("policy", policy.check_serving)])
         except BaseException:

@@ -82,7 +82,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self._executor = executor
         self._transfers = TransferTable()
         self._background: set[asyncio.Task[Any]] = set()
-        self._offload = OffloadChannels(config.server.max_message_bytes)
+        self._offload = OffloadChannels(config.server.max_message_bytes, config.server.security)
         self._acceptor = Acceptor(
             scheduler.budget, receiver, self._offload, executor, cache_dtype=loaded.dtype,
             transfer_timeout_s=config.transfer_timeout_s, policy_timeout_s=config.policy_timeout_s,

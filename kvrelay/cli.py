@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from kvrelay.checkpoints import DEFAULT_MODEL_HELP, served_checkpoint
+from kvrelay.security_options import API_KEY, TLS_CA, TLS_CERT, TLS_KEY, client_security
 from kvrelay.serve import serve_app
 from kvrelay.tools import bench_app, eval_app
 
@@ -64,14 +65,25 @@ def up(
     log_dir: Path | None = typer.Option(None, help="Service logs (default: a new temporary directory)."),
     base_port: int = typer.Option(50051, help="Gateway port; policy +10, prefill +11, decode +12 (rendezvous +13), extra workers +10 each."),
     metrics_base_port: int = typer.Option(9091, help="Gateway /metrics port; policy +1, prefill +2, decode +3, extra workers +10 each (0: metrics off)."),
+    http_port: int | None = typer.Option(None, help="The gateway's OpenAI-compatible HTTP API (default: base port + 1; 0: off)."),
+    tls: bool = typer.Option(False, "--tls", help="Mutual TLS between every service, with a development CA and certificates (`kvrelay certs`) in --tls-dir."),
+    tls_dir: Path | None = typer.Option(None, help="With --tls: certificates from `kvrelay certs` (made here if there is no ca.pem; default: a new temporary directory)."),
 ) -> None:
     """Run a full local deployment on this machine: policy service (+ embedded Redis), prefill, decode, gateway."""
+    import tempfile
+
     from services.launcher.stack import StackConfig
     from services.launcher.up import run_up
 
+    if tls_dir is not None and not tls:
+        typer.echo("kvrelay up: --tls-dir: needs --tls", err=True)
+        raise typer.Exit(2)
+    certs = (tls_dir or Path(tempfile.mkdtemp(prefix="kvrelay-certs-"))) if tls else None
     config = StackConfig.with_counts(
         served_checkpoint(checkpoint), prefill=prefill, decode=decode, base_port=base_port, dtype=dtype,
         threads=threads, redis_url=redis_url, log_dir=log_dir, metrics_base_port=metrics_base_port,
+        **({} if http_port is None else {"http_port": http_port}),
+        tls_dir=certs,
     )
     raise typer.Exit(run_up(config))
 
@@ -90,6 +102,10 @@ def generate(
     system: str | None = typer.Option(None, help="System message of the chat (implies --chat)."),
     gateway: str = typer.Option("127.0.0.1:50051", envvar="KVRELAY_GATEWAY_ADDRESS", help="host:port of the gateway."),
     timeout_s: float = typer.Option(300.0, help="Deadline of the whole call."),
+    tls_ca: Path | None = TLS_CA,
+    tls_cert: Path | None = TLS_CERT,
+    tls_key: Path | None = TLS_KEY,
+    api_key: str = API_KEY,
 ) -> None:
     """Send one generation request to the gateway; print the answer, then the summary."""
     import grpc
@@ -103,7 +119,8 @@ def generate(
                                top_k=top_k, top_p=top_p, seed=seed)
     console = Console()
     try:
-        with GatewayClient(gateway, timeout_s=timeout_s) as client:
+        security = client_security("generate", cert=tls_cert, key=tls_key, ca=tls_ca)
+        with GatewayClient(gateway, timeout_s=timeout_s, security=security, api_key=api_key) as client:
             print_generation(client, request, console, stream=stream)
     except grpc.RpcError as exc:
         console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
@@ -122,6 +139,10 @@ def chat_command(
     summary: bool = typer.Option(False, "--summary", help="After each reply, a line with tokens, TTFT/TPOT and the byte ledger."),
     gateway: str = typer.Option("127.0.0.1:50051", envvar="KVRELAY_GATEWAY_ADDRESS", help="host:port of the gateway."),
     timeout_s: float = typer.Option(300.0, help="Deadline of each reply."),
+    tls_ca: Path | None = TLS_CA,
+    tls_cert: Path | None = TLS_CERT,
+    tls_key: Path | None = TLS_KEY,
+    api_key: str = API_KEY,
 ) -> None:
     """Chat with the served model: reads turns from stdin, streams each reply; /reset, /exit."""
     from rich.console import Console
@@ -134,7 +155,8 @@ def chat_command(
         return generate_request(messages, policy=policy, max_tokens=max_tokens, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=seed)
 
-    with GatewayClient(gateway, timeout_s=timeout_s) as client:
+    security = client_security("chat", cert=tls_cert, key=tls_key, ca=tls_ca)
+    with GatewayClient(gateway, timeout_s=timeout_s, security=security, api_key=api_key) as client:
         chat_loop(client, ChatHistory(system), make_request, Console(), summary=summary)
 
 
@@ -142,6 +164,9 @@ def chat_command(
 def policies(
     policy_address: str = typer.Option("127.0.0.1:50061", envvar="KVRELAY_POLICY_ADDRESS", help="host:port of the policy service."),
     register: list[Path] = typer.Option([], help="Register this manifest JSON file first (repeatable)."),
+    tls_ca: Path | None = TLS_CA,
+    tls_cert: Path | None = TLS_CERT,
+    tls_key: Path | None = TLS_KEY,
 ) -> None:
     """List the registered KV visibility policies (optionally registering manifest files first)."""
     import asyncio
@@ -160,11 +185,74 @@ def policies(
             raise typer.Exit(2)
     console = Console()
     try:
-        manifests = asyncio.run(registered_policies(policy_address, register))
+        security = client_security("policies", cert=tls_cert, key=tls_key, ca=tls_ca)
+        manifests = asyncio.run(registered_policies(policy_address, register, security=security))
     except PolicyError as exc:
         console.print(f"[red]{type(exc).__name__}[/red]: {escape(str(exc))}")
         raise typer.Exit(1) from None
     console.print(policies_table(manifests))
+
+
+@app.command()
+def certs(
+    directory: Path = typer.Option(Path("kvrelay-certs"), "--dir", envvar="KVRELAY_CERTS_DIR", help="Where the CA and certificates go."),
+    name: str | None = typer.Option(None, help="Issue one more identity from the existing CA (default: a new CA and the development set)."),
+    role: list[str] = typer.Option([], help="With --name: a role it holds (repeatable): gateway, prefill, decode, policy, operator, client."),
+    host: list[str] = typer.Option([], help="A DNS name or IP address to add to the certificates (repeatable)."),
+    days: int = typer.Option(30, help="Validity in days."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing CA (without --name) or the named certificate."),
+) -> None:
+    """Create a development CA and per-role certificates (mTLS between kvrelay services)."""
+    from rich.console import Console
+
+    from services.security.certs import (
+        LOOPBACK_HOSTS,
+        CertificateError,
+        IdentitySpec,
+        check_name,
+        default_bundle,
+        parse_role,
+        write_bundle,
+    )
+
+    try:
+        if name is None:
+            if role:
+                raise CertificateError("role", "needs --name (the identity that holds it)")
+            bundle = default_bundle(directory, host, days, force=force)
+        else:
+            if not role:
+                raise CertificateError("role", "--name needs at least one --role")
+            spec = IdentitySpec(check_name(name), frozenset(parse_role(r) for r in role),
+                                (*LOOPBACK_HOSTS, *host))
+            bundle = write_bundle(directory, [spec], days, reuse_ca=True, force=force)
+    except CertificateError as exc:
+        typer.echo(f"kvrelay certs: {exc}", err=True)
+        raise typer.Exit(2) from None
+    console = Console()
+    console.print(f"CA ({'created' if bundle.ca_created else 'reused'}): {bundle.ca_cert}")
+    for leaf, cert_path, key_path in bundle.leaves:
+        console.print(f"  {leaf:<10} {cert_path}  {key_path}")
+
+
+@app.command()
+def token(
+    name: str = typer.Option(..., help="Who the token identifies (owns the request ids it begins)."),
+    role: list[str] = typer.Option(["client"], help="A role it holds (repeatable); client: an API key for Generate."),
+) -> None:
+    """Print a new bearer token (or API key) and the line that makes a server accept it (--auth-tokens)."""
+    from services.security.roles import Role
+    from services.security.tokens import TokenFileError, new_token
+
+    try:
+        roles = frozenset(Role(r) for r in role)
+        secret, line = new_token(name, roles)
+    except ValueError as exc:
+        detail = str(exc) if isinstance(exc, TokenFileError) else f"role: one of {', '.join(r.value for r in Role)}"
+        typer.echo(f"kvrelay token: {detail}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"token: {secret}")
+    typer.echo(f"--auth-tokens line: {line}")
 
 
 @app.command("train-demo")

@@ -4,19 +4,25 @@ its service lazily, so `kvrelay --help` stays fast."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvrelay.checkpoints import DEFAULT_MODEL_HELP, served_checkpoint
+from kvrelay.security_options import with_transport_security
+
+if TYPE_CHECKING:
+    from services.security.transport import TransportSecurity
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a kvrelay service.")
 
 
 @serve_app.command("policy")
+@with_transport_security()
 def serve_policy(
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_POLICY_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
     port: int = typer.Option(50061, envvar="KVRELAY_POLICY_PORT"),
-    redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="redis:// or rediss:// (user:password@ for AUTH/ACL); unset starts an embedded redis-server."),
+    redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="redis:// or rediss:// (user:password@ for AUTH/ACL), redis+cluster:// or rediss+cluster:// for a Redis Cluster; unset starts an embedded redis-server."),
     redis_data_dir: Path | None = typer.Option(None, envvar="KVRELAY_REDIS_DATA_DIR", help="Embedded redis only: AOF persistence here."),
     redis_appendfsync: str = typer.Option("everysec", envvar="KVRELAY_REDIS_APPENDFSYNC", help="Embedded redis only: always | everysec | no."),
     manifest_journal: Path | None = typer.Option(None, envvar="KVRELAY_POLICY_MANIFEST_JOURNAL", help="Append every stored manifest to this file; a Redis that lost its data (or a restarted service) gets them back from it. Unset: kept in memory only."),
@@ -29,6 +35,8 @@ def serve_policy(
     metrics_port: int = typer.Option(9092, envvar="KVRELAY_POLICY_METRICS_PORT", help="Prometheus /metrics port on --host (0: off)."),
     checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_POLICY_CHECKPOINT", help="Checkpoint the workers serve (.gguf file or HF directory; its config only): manifests it cannot run are refused at registration. Unset: every valid manifest is accepted."),
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="With --checkpoint: the workers' K/V dtype (default: the checkpoint's)."),
+    *,
+    security: TransportSecurity,
 ) -> None:
     """Manifests and generation fences in Redis, over gRPC (health and reflection included)."""
     import asyncio
@@ -45,7 +53,7 @@ def serve_policy(
         typer.echo(f"kvrelay serve policy: --checkpoint {checkpoint}: {exc}", err=True)
         raise typer.Exit(2) from None
     config = PolicyServiceConfig(
-        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes),
+        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         redis_url=redis_url,
         redis_data_dir=redis_data_dir,
         redis_appendfsync=redis_appendfsync,
@@ -61,6 +69,7 @@ def serve_policy(
 
 
 @serve_app.command("gateway")
+@with_transport_security(gateway=True)
 def serve_gateway(
     checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint the workers serve, .gguf file or HF directory (its tokenizer and config; {DEFAULT_MODEL_HELP})."),
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="The workers' K/V dtype (default: the checkpoint's); default manifests are registered for it."),
@@ -87,11 +96,18 @@ def serve_gateway(
     log_level: str = typer.Option("INFO", envvar="KVRELAY_LOG_LEVEL"),
     log_format: str = typer.Option("text", envvar="KVRELAY_LOG_FORMAT", help="text, or json: one object per line with trace_id, span_id, request_id."),
     metrics_port: int = typer.Option(9091, envvar="KVRELAY_GATEWAY_METRICS_PORT", help="Prometheus /metrics port on --host (0: off)."),
+    http_port: int = typer.Option(0, envvar="KVRELAY_GATEWAY_HTTP_PORT", help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on --host (0: off)."),
+    http_model_name: str = typer.Option("", envvar="KVRELAY_GATEWAY_HTTP_MODEL_NAME", help="Model id of the HTTP API (default: the checkpoint's file or directory name)."),
+    http_certfile: Path | None = typer.Option(None, envvar="KVRELAY_GATEWAY_HTTP_CERTFILE", help="With --http-keyfile: serve the HTTP API over HTTPS."),
+    http_keyfile: Path | None = typer.Option(None, envvar="KVRELAY_GATEWAY_HTTP_KEYFILE"),
+    *,
+    security: TransportSecurity,
 ) -> None:
     """Client-facing Generate API: validates, picks workers, orchestrates, streams tokens and a summary."""
     import asyncio
 
     from services.gateway import DiscoveryConfig, GatewayConfig, WorkerSource
+    from services.gateway.config import HttpConfig
     from services.gateway.server import serve
     from services.rpc.server import ServerConfig
     from services.telemetry.process import TelemetryConfig, observed
@@ -101,7 +117,7 @@ def serve_gateway(
         prefill_workers=WorkerSource.parse(prefill_workers, "prefill_workers"),
         decode_workers=WorkerSource.parse(decode_workers, "decode_workers"),
         policy_address=policy_address,
-        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes),
+        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         dtype=dtype,
         default_policy=default_policy,
         register_default_manifests=register_defaults,
@@ -116,6 +132,8 @@ def serve_gateway(
         prefill_max_outstanding=prefill_max_outstanding,
         decode_max_outstanding=decode_max_outstanding,
         max_retries=max_retries,
+        http=HttpConfig(host=host, port=http_port, model_name=http_model_name, ssl_certfile=http_certfile,
+                        ssl_keyfile=http_keyfile) if http_port else None,
     )
     telemetry = TelemetryConfig("gateway", log_level, log_format, metrics_host=host, metrics_port=metrics_port)
     with observed(telemetry):
@@ -123,6 +141,7 @@ def serve_gateway(
 
 
 @serve_app.command("prefill")
+@with_transport_security()
 def serve_prefill(
     checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     device: str = typer.Option("cpu", envvar="KVRELAY_DEVICE", help="cpu, cuda or cuda:N (CUDA tensors travel over NCCL)."),
@@ -149,6 +168,8 @@ def serve_prefill(
     log_level: str = typer.Option("INFO", envvar="KVRELAY_LOG_LEVEL"),
     log_format: str = typer.Option("text", envvar="KVRELAY_LOG_FORMAT", help="text, or json: one object per line with trace_id, span_id, request_id."),
     metrics_port: int = typer.Option(9093, envvar="KVRELAY_PREFILL_METRICS_PORT", help="Prometheus /metrics port on --host (0: off)."),
+    *,
+    security: TransportSecurity,
 ) -> None:
     """Prefill worker: forward → score → allocate → select → pack → offload → publish → send to a decode worker."""
     import asyncio
@@ -164,7 +185,7 @@ def serve_prefill(
     config = PrefillWorkerConfig(
         checkpoint=served_checkpoint(checkpoint),
         worker_id=worker_id or f"prefill-{socket.gethostname()}-{port}",
-        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes),
+        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         policy_address=policy_address,
         device=device,
         dtype=dtype,
@@ -193,6 +214,7 @@ def serve_prefill(
 
 
 @serve_app.command("decode")
+@with_transport_security()
 def serve_decode(
     checkpoint: Path | None = typer.Option(None, envvar="KVRELAY_CHECKPOINT", help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     device: str = typer.Option("cpu", envvar="KVRELAY_DEVICE", help="cpu, cuda or cuda:N (CUDA tensors travel over NCCL)."),
@@ -204,7 +226,7 @@ def serve_decode(
     worker_id: str | None = typer.Option(None, envvar="KVRELAY_DECODE_WORKER_ID", help="Default: decode-<hostname>-<port>."),
     policy_address: str = typer.Option("127.0.0.1:50061", envvar="KVRELAY_POLICY_ADDRESS", help="host:port of the policy service."),
     max_batch: int = typer.Option(8, envvar="KVRELAY_DECODE_MAX_BATCH", help="Requests per batched decode step."),
-    kv_budget_mib: int = typer.Option(2048, envvar="KVRELAY_DECODE_KV_BUDGET_MIB", help="KV bytes accepted transfers may reserve; beyond: RESOURCE_EXHAUSTED."),
+    kv_budget_mib: int = typer.Option(2048, envvar="KVRELAY_DECODE_KV_BUDGET_MIB", help="The KV page pool, allocated at start-up: what accepted transfers may reserve; beyond: RESOURCE_EXHAUSTED."),
     max_new_tokens: int = typer.Option(4096, envvar="KVRELAY_MAX_TOKENS_LIMIT", help="Largest max_tokens a descriptor may ask for."),
     transfer_timeout_s: float = typer.Option(60.0, envvar="KVRELAY_DECODE_TRANSFER_TIMEOUT_S", help="Caps every transfer's deadline."),
     lease_timeout_s: float = typer.Option(60.0, envvar="KVRELAY_DECODE_LEASE_TIMEOUT_S", help="Release an accepted transfer whose stream never opens."),
@@ -214,6 +236,8 @@ def serve_decode(
     log_level: str = typer.Option("INFO", envvar="KVRELAY_LOG_LEVEL"),
     log_format: str = typer.Option("text", envvar="KVRELAY_LOG_FORMAT", help="text, or json: one object per line with trace_id, span_id, request_id."),
     metrics_port: int = typer.Option(9094, envvar="KVRELAY_DECODE_METRICS_PORT", help="Prometheus /metrics port on --host (0: off)."),
+    *,
+    security: TransportSecurity,
 ) -> None:
     """Decode worker: accept → receive → verify (receipt, fence) → continuous-batching decode → stream tokens."""
     import asyncio
@@ -230,7 +254,7 @@ def serve_decode(
         checkpoint=served_checkpoint(checkpoint),
         policy_address=policy_address,
         worker_id=worker_id or f"decode-{socket.gethostname()}-{port}",
-        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes),
+        server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         transfer=PairGroupConfig(
             max_groups=max_pair_groups,
             bind_host=transfer_host or (socket.gethostbyname(socket.gethostname()) if wildcard else host),

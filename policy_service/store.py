@@ -1,26 +1,61 @@
-"""Manifests and generation fences in Redis. Every mutation is one Lua script.
+"""Manifests and generation fences in Redis (one Redis >= 6.2, or a Redis Cluster). Every
+mutation is one Lua script, and every script touches keys of ONE hash slot, so each runs
+atomically on whichever cluster node owns that slot.
 
-Key schema (prefix configurable, default `kvr:`; a single Redis >= 6.2, not a cluster):
+Key schema (prefix configurable, default `kvr:`; `{...}` is the Redis Cluster hash tag):
 
-| key                         | type   | content                                                   |
-| --------------------------- | ------ | --------------------------------------------------------- |
-| `kvr:manifest:{sha}`        | string | canonical JSON, set once, never expires                   |
-| `kvr:policy:{name}`         | hash   | policy_generation -> sha                                  |
-| `kvr:manifests`             | hash   | sha -> "{policy_generation}:{name}" (list and look-up)    |
-| `kvr:req:{request_id}`      | hash   | request_generation, state_generation, cache_generation,   |
-|                             |        | receipt_digest, manifest_sha, phase, prefill, decode,     |
-|                             |        | updated_at (Redis clock, ms); PEXPIRE = the request lease |
-| `kvr:seq:request_generation`| string | global counter that BeginRequest advances                 |
-| `kvr:epoch`                 | string | random token; gone = Redis lost its data (see recovery.py)|
+| key                          | type   | content                                                  |
+| ---------------------------- | ------ | -------------------------------------------------------- |
+| `{kvr:registry}:manifest:SHA`| string | canonical JSON, set once, never expires                  |
+| `{kvr:registry}:policy:NAME` | hash   | policy_generation -> sha                                 |
+| `{kvr:registry}:manifests`   | hash   | sha -> "{policy_generation}:{name}" (list and look-up)   |
+| `{kvr:registry}:epoch`       | string | random token; gone = Redis lost the registry (recovery.py)|
+| `kvr:req:{REQUEST_ID}`       | hash   | request_generation, state_generation, cache_generation,  |
+|                              |        | receipt_digest, manifest_sha, phase, prefill, decode,    |
+|                              |        | updated_at (Redis clock, ms), owner; PEXPIRE = the lease |
+| `kvr:gen:{REQUEST_ID}`       | string | the request id's high-water generation (see below)       |
 
-Request generations come from one global counter, so a request id reused after its key
-expired still gets a larger generation and older work stays fenced out. A counter that is
-gone (a fresh or wiped Redis) restarts above every generation issued before (Redis's clock in
-microseconds, or this service's high-water mark), so work from before the loss can never
-match a request begun after it. Scripts are run with EVALSHA and reloaded on NOSCRIPT
-(redis-py's `register_script`), so a restarted Redis needs no warm-up. A retried script is
-harmless: publish and end are idempotent, and a retried BeginRequest only advances the
-generation once more.
+Slots. The registry (manifests, their indexes, the epoch) shares one slot: registration
+writes three of its keys in one script, and the epoch sits with what it witnesses, so a
+cluster node that loses the registry loses the epoch too and recovery puts the manifests
+back. A request's two keys share the slot of its request id, so requests spread over the
+whole cluster and there is no hot key. PublishState names a manifest that lives in the
+registry's slot, so the script no longer checks it; the store checks it first with one
+EXISTS, remembered per process (`_present`) because a manifest is content-addressed and never
+deleted: only a loss of data takes it away, and recovery forgets what it remembered when the
+epoch changes (`forget_present`). What this gives up: a manifest lost after this process
+checked it is not noticed by its next publishes, only by the recovery loop (the epoch went
+with it: same slot), which writes it back from the archive within `recovery_interval_s`;
+reads (GetManifest, ListManifests) that miss it write it back at once. Manifests are read from any node
+through the cluster client, which sends each key to the node owning its slot.
+
+Request generations, without a global counter. BeginRequest gives
+  g = max(TIME_us, live request's generation + 1, high-water + 1, caller's floor)
+and writes g to the request hash and to the high-water key `gen:{id}`, whose expiry is set as
+an absolute instant on Redis's clock: g/1000 ms + `high_water_margin_ms`. Why g is above every
+generation issued before for this request id, by case:
+  1. the request key is alive (begun again, or ended within its retention): g > its
+     generation, read in the same atomic script;
+  2. the request key expired (or was ended and dropped) but the high-water key is alive:
+     g > high-water, which is the largest generation ever issued for this id (each begin
+     writes its own g, the maximum so far, there);
+  3. both expired: Redis drops the high-water key only once ITS clock is past g_last + margin,
+     so TIME_us now > g_last. A clock that stepped back before that expiry only keeps the key
+     longer; this case fails only if the clock steps back by more than the margin AFTER the
+     key expired, and then the caller's floor (this service process's high-water mark, above
+     every generation it handed out) still holds for what this process issued;
+  4. Redis lost its data (restart without persistence, FLUSHALL, eviction, a failover to a
+     replica that had not received the write): both keys are gone before their time, so this
+     case relies on TIME alone: g stays within microseconds of TIME at issue (it runs ahead
+     only by begins that land in the same microsecond), so a clock that did not step back
+     below the issue instants gives g > g_last; the caller's floor covers a clock that did,
+     for this process's generations.
+Generations are microsecond timestamps (~1.8e15), exact in Lua's doubles below 2^53 (year
+2255). Run Redis with `maxmemory-policy noeviction`: a `volatile-*` policy may evict a
+high-water key early (case 4 then). Scripts are run with EVALSHA and reloaded on NOSCRIPT
+(redis-py's `register_script`, on the node that answered), so a restarted Redis needs no
+warm-up. A retried script is harmless: publish and end are idempotent, and a retried
+BeginRequest only advances the generation once more.
 
 Redis may lose data the service owns. Manifests: every one stored is kept in the
 `ManifestArchive`, and a read that misses one the archive holds writes it back first
@@ -33,12 +68,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis.exceptions
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from policy_service import lua
 from policy_service.archive import ManifestArchive, parse_canonical
@@ -47,6 +82,7 @@ from services.echo import echo
 from services.policy.errors import (
     ManifestConflict,
     NotFound,
+    PolicyPermissionDenied,
     RequestEnded,
     RequestInvalid,
     StaleGeneration,
@@ -65,53 +101,84 @@ from services.telemetry.metrics import POLICY_UNDECODABLE_ENTRIES
 
 log = logging.getLogger(__name__)
 # Redis could not be reached or could not answer (what services.rpc.errors maps to UNAVAILABLE).
-REDIS_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+# A cluster that cannot serve a slot now (CLUSTERDOWN while nodes fail or rejoin, TRYAGAIN
+# during a resharding, no node known for the slot, redirections exhausted): unavailable too;
+# the store re-raises them as ConnectionError so that the RPC edge answers UNAVAILABLE.
+_CLUSTER_UNAVAILABLE = (
+    redis.exceptions.ClusterError,  # includes ClusterDownError and MasterDownError
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+REDIS_UNAVAILABLE = (*_UNREACHABLE, *_CLUSTER_UNAVAILABLE)
 _MISSING_REQUEST = "(never begun, its lease expired, or the policy store lost it)"
 _MAX_UNARCHIVABLE = 1024
+_MAX_PRESENT = 4096
+DEFAULT_HIGH_WATER_MARGIN_MS = 60_000
+# A client of one Redis, or of a Redis Cluster (the store uses only what both offer).
+RedisClient = Redis | RedisCluster
 
 
 @dataclass(frozen=True)
 class KeySchema:
-    """Redis key names under one prefix."""
+    """Redis key names under one prefix (no braces in it: they would move the hash tag)."""
 
     prefix: str = "kvr:"
 
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in "{}" or c.isspace() for c in self.prefix):
+            raise ValueError(f"prefix: {echo(self.prefix)} must be non-empty, without braces or whitespace")
+
+    def _registry(self, name: str) -> str:
+        return f"{{{self.prefix}registry}}:{name}"
+
     def manifest(self, sha256: str) -> str:
-        return f"{self.prefix}manifest:{sha256}"
+        return self._registry(f"manifest:{sha256}")
 
     def policy(self, name: str) -> str:
-        return f"{self.prefix}policy:{name}"
+        return self._registry(f"policy:{name}")
 
     def manifest_index(self) -> str:
-        return f"{self.prefix}manifests"
-
-    def request(self, request_id: str) -> str:
-        return f"{self.prefix}req:{request_id}"
-
-    def request_generation_counter(self) -> str:
-        return f"{self.prefix}seq:request_generation"
+        return self._registry("manifests")
 
     def epoch(self) -> str:
-        return f"{self.prefix}epoch"
+        return self._registry("epoch")
+
+    def request(self, request_id: str) -> str:
+        return f"{self.prefix}req:{{{request_id}}}"
+
+    def request_high_water(self, request_id: str) -> str:
+        return f"{self.prefix}gen:{{{request_id}}}"
+
+    def begin_keys(self, request_id: str) -> tuple[str, str]:
+        """KEYS of begin_request.lua (one slot: both tagged with the request id)."""
+        return self.request(request_id), self.request_high_water(request_id)
 
 
 class PolicyStore:
     """The policy service's state. `client` must decode responses (decode_responses=True).
     `archive` keeps every stored manifest to write back what Redis loses; `pending_ends`
-    keeps the ends Redis could not take (both optional: without, nothing is kept)."""
+    keeps the ends Redis could not take (both optional: without, nothing is kept).
+    `high_water_margin_ms`: how long a request id's high-water key outlives the instant its
+    generation stands for (the backward clock step it tolerates; see the module doc)."""
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         keys: KeySchema | None = None,
         *,
         archive: ManifestArchive | None = None,
         pending_ends: PendingEnds | None = None,
+        high_water_margin_ms: int = DEFAULT_HIGH_WATER_MARGIN_MS,
     ) -> None:
+        if high_water_margin_ms < 0:
+            raise ValueError(f"high_water_margin_ms: {high_water_margin_ms} is negative")
         self.redis = client
         self.keys = keys or KeySchema()
         self.archive = archive
         self.pending_ends = pending_ends
+        self.high_water_margin_ms = high_water_margin_ms
+        self._present: set[str] = set()  # manifests seen in Redis since the last forget_present
         self._scripts = {name: client.register_script(lua.load(name)) for name in lua.SCRIPT_NAMES}
         self._high_water = 0  # the largest request generation this service has handed out
         self._unarchivable: set[str] = set()  # index entries `mirror` found no valid manifest for
@@ -120,12 +187,54 @@ class PolicyStore:
         self._undecodable_logged: set[tuple[str, str]] = set()
 
     async def _run(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        try:
+        with self._answering():
             return await self._scripts[script](keys=list(keys), args=list(args))
-        except REDIS_UNAVAILABLE:
-            if self.on_redis_error is not None:
+
+    @contextlib.contextmanager
+    def _answering(self, poke: bool = True) -> Iterator[None]:
+        """Around a Redis call: when Redis cannot answer, poke `on_redis_error` (the recovery
+        loop looks at once; not from the loop's own calls), and raise a cluster's
+        can't-answer-now as ConnectionError."""
+        try:
+            yield
+        except AttributeError as exc:
+            if not (isinstance(self.redis, RedisCluster) and _torn_down_under_us(exc)):
+                raise
+            if poke and self.on_redis_error is not None:
                 self.on_redis_error()
-            raise
+            raise redis.exceptions.ConnectionError("redis cluster connection closed while in use") from exc
+        except (*REDIS_UNAVAILABLE, redis.exceptions.RedisClusterException) as exc:
+            # A cluster client that found no node reachable raises RedisClusterException from
+            # the connection error; without such a cause it is a usage error, not an outage.
+            if isinstance(exc, redis.exceptions.RedisClusterException) and not isinstance(exc, REDIS_UNAVAILABLE) \
+                    and not isinstance(exc.__cause__, REDIS_UNAVAILABLE):
+                raise
+            if poke and self.on_redis_error is not None:
+                self.on_redis_error()
+            if isinstance(exc, _UNREACHABLE):
+                raise
+            detail = f"redis cluster cannot answer: {type(exc).__name__}: {echo(str(exc), 200)}"
+            raise redis.exceptions.ConnectionError(detail) from exc
+
+    def forget_present(self) -> None:
+        """Forget which manifests were seen in Redis (recovery: Redis lost its data)."""
+        self._present.clear()
+
+    async def _require_manifest(self, sha256: str) -> None:
+        """NotFound unless Redis holds manifest `sha256` (written back from the archive first
+        if Redis lost it). Remembered once seen: a manifest is never deleted by the service."""
+        if sha256 in self._present:
+            return
+        with self._answering():
+            held = await self.redis.exists(self.keys.manifest(sha256))
+        if not held and not await self.republish(sha256):
+            raise NotFound(f"no manifest {sha256}", field="manifest_sha256")
+        self._seen(sha256)
+
+    def _seen(self, sha256: str) -> None:
+        if len(self._present) >= _MAX_PRESENT:
+            self._present.clear()  # bounded: the next publishes check again
+        self._present.add(sha256)
 
     async def register_manifest(self, ref: ManifestRef, canonical_json: bytes) -> Registration:
         status, holder = await self._register(ref, canonical_json)
@@ -166,6 +275,10 @@ class PolicyStore:
     async def mirror(self) -> int:
         """Add the manifests Redis holds and the archive lacks (other replicas registered them)
         to the archive; returns how many. Cheap when nothing is new (one HLEN)."""
+        with self._answering(poke=False):  # the recovery loop's own call
+            return await self._mirror()
+
+    async def _mirror(self) -> int:
         if self.archive is None or self.archive.full:
             return 0
         if await self.redis.hlen(self.keys.manifest_index()) <= len(self.archive) + len(self._unarchivable):
@@ -183,15 +296,17 @@ class PolicyStore:
 
     async def epoch(self) -> str | None:
         """The token of the data set Redis holds; None once Redis lost (or never had) it."""
-        value = await self.redis.get(self.keys.epoch())
+        with self._answering(poke=False):
+            value = await self.redis.get(self.keys.epoch())
         return _text(value) if value is not None else None
 
     async def claim_epoch(self, token: str) -> str:
         """Set the epoch to `token` unless another replica did first; returns the one in force."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.epoch(), token, nx=True)
-            pipe.get(self.keys.epoch())
-            _, current = await pipe.execute()
+        with self._answering(poke=False):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(self.keys.epoch(), token, nx=True)
+                pipe.get(self.keys.epoch())
+                _, current = await pipe.execute()
         return _text(current)
 
     async def get_manifest(self, sha256: str) -> StoredManifest:
@@ -203,10 +318,11 @@ class PolicyStore:
         return await self._get_manifest(sha256)
 
     async def _get_manifest(self, sha256: str) -> StoredManifest:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.get(self.keys.manifest(sha256))
-            pipe.hget(self.keys.manifest_index(), sha256)
-            text, indexed = await pipe.execute()
+        with self._answering():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.get(self.keys.manifest(sha256))
+                pipe.hget(self.keys.manifest_index(), sha256)
+                text, indexed = await pipe.execute()
         if text is None or indexed is None:
             raise NotFound(f"no manifest {sha256}", field="sha256")
         return StoredManifest(ref=_ref(sha256, indexed), canonical_json=text.encode("utf-8"))
@@ -225,11 +341,13 @@ class PolicyStore:
         is skipped, logged once and counted, so that it cannot break listing for everyone."""
         if name:
             key = self.keys.policy(name)
-            by_generation = await self.redis.hgetall(key)
+            with self._answering():
+                by_generation = await self.redis.hgetall(key)
             entries = [(_text(sha), f"{_text(gen)}:{name}") for gen, sha in by_generation.items()]
         else:
             key = self.keys.manifest_index()
-            index = await self.redis.hgetall(key)
+            with self._answering():
+                index = await self.redis.hgetall(key)
             entries = [(_text(sha), _text(indexed)) for sha, indexed in index.items()]
         refs = [ref for sha, indexed in entries if (ref := self._decoded(key, sha, indexed))]
         return sorted(refs, key=lambda r: (r.name, r.policy_generation))
@@ -248,30 +366,33 @@ class PolicyStore:
                           key, echo(sha256), echo(indexed), echo(str(exc), 200))
             return None
 
-    async def begin_request(self, request_id: str, lease_ms: int) -> Fence:
-        keys = (self.keys.request(request_id), self.keys.request_generation_counter())
-        reply = await self._run("begin_request", keys, (lease_ms, self._high_water + 1))
+    async def begin_request(self, request_id: str, lease_ms: int, owner: str = "") -> Fence:
+        """Begin (or begin again) `request_id` for `owner`, the identity that holds it until
+        its key expires; PolicyPermissionDenied if another identity holds it."""
+        args = (lease_ms, self._high_water + 1, owner, self.high_water_margin_ms)
+        reply = await self._run("begin_request", self.keys.begin_keys(request_id), args)
+        if reply[0] == "foreign":
+            raise PolicyPermissionDenied(f"request {request_id!r} was begun by another identity",
+                                         field="request_id")
         fence = fence_from_reply(request_id, reply)
         self._high_water = max(self._high_water, fence.request_generation)
         return fence
 
     async def publish_state(self, publication: StatePublication, lease_ms: int) -> PublishResult:
-        """Compare-and-publish; raises StaleGeneration (with the current fence) on a mismatch."""
+        """Compare-and-publish; raises StaleGeneration (with the current fence) on a mismatch,
+        NotFound if the manifest is not registered (checked first: another hash slot)."""
         p = publication
-        keys = (self.keys.request(p.request_id), self.keys.manifest(p.manifest_sha256))
+        await self._require_manifest(p.manifest_sha256)
+        keys = (self.keys.request(p.request_id),)
         args = (
             p.request_generation, p.parent_state_generation, p.state_generation, p.cache_generation,
             p.receipt_digest, p.manifest_sha256, p.phase.label, p.prefill_worker, p.decode_worker,
             lease_ms,
         )
         reply = await self._run("publish_state", keys, args)
-        if reply[0] == "no_manifest" and await self.republish(p.manifest_sha256):
-            reply = await self._run("publish_state", keys, args)
         status = reply[0]
         if status == "missing":
             raise NotFound(f"no live request {p.request_id!r} {_MISSING_REQUEST}", field="request_id")
-        if status == "no_manifest":
-            raise NotFound(f"no manifest {p.manifest_sha256}", field="manifest_sha256")
         fence = fence_from_reply(p.request_id, reply)
         if status == "ended":
             raise RequestEnded("the request has ended", field="request_id", current=fence)
@@ -286,26 +407,32 @@ class PolicyStore:
             raise NotFound(f"no live request {request_id!r} {_MISSING_REQUEST}", field="request_id")
         return fence_from_reply(request_id, reply)
 
-    async def end_request(self, request_id: str, request_generation: int, retention_ms: int) -> Fence:
+    async def end_request(self, request_id: str, request_generation: int, retention_ms: int,
+                          owner: str = "") -> Fence:
         """Mark the request ended; if Redis cannot be reached, the end is also kept in
         `pending_ends` to be retried (`retry_end`) before the error goes to the caller."""
         try:
-            return await self._end(request_id, request_generation, retention_ms)
+            return await self._end(request_id, request_generation, retention_ms, owner)
         except REDIS_UNAVAILABLE:
             if self.pending_ends is not None:
-                self.pending_ends.add(request_id, request_generation, retention_ms)
+                self.pending_ends.add(request_id, request_generation, retention_ms, owner)
             raise
 
     async def retry_end(self, end: PendingEnd) -> None:
         """One more try of a pending end; settled unless Redis is still unreachable (raises)."""
-        with contextlib.suppress(NotFound, StaleGeneration):
-            # NotFound: the key is gone; stale: a newer generation began. Nothing left to end.
-            await self._end(end.request_id, end.request_generation, end.retention_ms)
+        with contextlib.suppress(NotFound, StaleGeneration, PolicyPermissionDenied):
+            # NotFound: the key is gone; stale: a newer generation began; denied: it was never
+            # the asker's to end. Nothing left to end.
+            await self._end(end.request_id, end.request_generation, end.retention_ms, end.owner)
         if self.pending_ends is not None:
             self.pending_ends.settle(end)
 
-    async def _end(self, request_id: str, request_generation: int, retention_ms: int) -> Fence:
-        reply = await self._run("end_request", (self.keys.request(request_id),), (request_generation, retention_ms))
+    async def _end(self, request_id: str, request_generation: int, retention_ms: int, owner: str) -> Fence:
+        reply = await self._run("end_request", (self.keys.request(request_id),),
+                                (request_generation, retention_ms, owner))
+        if reply[0] == "foreign":
+            raise PolicyPermissionDenied(f"request {request_id!r} was begun by another identity",
+                                         field="request_id")
         if reply[0] == "missing":
             raise NotFound(f"no live request {request_id!r} {_MISSING_REQUEST}", field="request_id")
         fence = fence_from_reply(request_id, reply)
@@ -313,6 +440,17 @@ class PolicyStore:
             message = f"{request_generation} is not the current request generation {fence.request_generation}"
             raise StaleGeneration(message, field="request_generation", current=fence)
         return fence
+
+
+def _torn_down_under_us(exc: AttributeError) -> bool:
+    """redis-py's asyncio cluster client (seen with 8.1) may close a connection that another
+    task is still opening, when it re-reads the slot map after a node failed; that task then
+    fails inside redis.asyncio.connection with AttributeError (its stream writer is gone). For
+    the caller that is a lost connection like any other."""
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_globals.get("__name__") == "redis.asyncio.connection"
 
 
 def fence_from_reply(request_id: str, reply: Sequence[Any]) -> Fence:

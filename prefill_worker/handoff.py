@@ -32,6 +32,8 @@ from prefill_worker.offload import OffloadTier, Packed
 from prefill_worker.wire import PrefillCall
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
+from services.security.roles import Role
+from services.security.transport import TransportSecurity
 from services.telemetry import metrics
 from services.telemetry.spans import inject_context
 from services.transfer import (
@@ -93,8 +95,10 @@ class DecodeHandoff:
         *,
         accept_timeout_s: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: TransportSecurity | None = None,
         offload: OffloadTier | None = None,
     ) -> None:
+        self._security = security or TransportSecurity.local_plaintext()
         self.sender = sender
         self.offload = offload or OffloadTier(None)
         self._device = torch.device(device)
@@ -260,7 +264,8 @@ class DecodeHandoff:
     def _stub(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=client_channel_options(self._max_message_bytes))
+            channel = self._security.aio_channel(address, Role.DECODE,
+                                                 client_channel_options(self._max_message_bytes))
             self._channels[address] = channel
         return decode_pb2_grpc.DecodeWorkerStub(channel)
 

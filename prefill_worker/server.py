@@ -84,13 +84,15 @@ class PrefillServer:
         if profile is not None:
             shape = model.config
             profile.check_shape(shape.num_layers, shape.num_q_heads, shape.num_kv_heads)
-        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s))
+        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s,
+                                                 security=config.server.security))
         tier = OffloadTier(config.offload.store(), config.offload.advertise_address)
         handoff = DecodeHandoff(
             KVSender(config.worker_id, config.pair_groups),
             model.device,
             accept_timeout_s=config.accept_timeout_s,
             max_message_bytes=config.server.max_message_bytes,
+            security=config.server.security,
             offload=tier,
         )
         pipeline = PrefillPipeline(

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.security.roles import Role
+from services.security.transport import TransportSecurity
 
 
 def chat_messages(turns: Iterable[tuple[str, str]]) -> gateway_pb2.ChatMessages:
@@ -100,13 +100,18 @@ class Generation:
 
 
 class GatewayClient:
-    """Blocking client; `timeout_s` bounds each whole Generate call."""
+    """Blocking client; `timeout_s` bounds each whole Generate call. `security` says how to
+    reach the gateway (default: plaintext, loopback only); `api_key` is sent with every call
+    as `authorization: Bearer` (the gateway asks for one when it has --auth-tokens)."""
 
     def __init__(self, address: str, timeout_s: float = 300.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
+                 security: TransportSecurity | None = None, api_key: str = "") -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        security = security or TransportSecurity.local_plaintext()
+        self._channel = security.channel(address, Role.GATEWAY, channel_options(max_message_bytes))
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def __enter__(self) -> GatewayClient:
@@ -121,7 +126,7 @@ class GatewayClient:
     def stream(self, request: gateway_pb2.GenerateRequest) -> Iterator[gateway_pb2.GenerateEvent]:
         """Events as they arrive. Raises grpc.RpcError on a failed call (closing the
         iterator early cancels the call)."""
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             yield from call
         finally:

@@ -15,6 +15,7 @@ from services.gateway.client import ChatHistory, GatewayClient, Generation
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2
+from services.security.transport import TransportSecurity
 
 
 def finish_label(reason: int) -> str:
@@ -184,10 +185,13 @@ def _chat_turn(
 
 
 async def registered_policies(
-    policy_address: str, register: Sequence[Path] = (), timeout_s: float = 5.0
+    policy_address: str, register: Sequence[Path] = (), timeout_s: float = 5.0,
+    security: TransportSecurity | None = None,
 ) -> list[tuple[str, KVVisibilityPolicyManifest]]:
     """Register `register` manifest files (idempotent), then every registered manifest."""
-    async with PolicyClient(PolicyClientConfig(policy_address, timeout_s=timeout_s)) as client:
+    config = PolicyClientConfig(policy_address, timeout_s=timeout_s,
+                                security=security or TransportSecurity.local_plaintext())
+    async with PolicyClient(config) as client:
         for path in register:
             await client.register_manifest(path.read_bytes())
         refs = await client.list_manifests()

@@ -26,7 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.admission import WaitQueue
 from services.rpc.errors import Unavailable
-from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
+from services.security.roles import Role
+from services.security.transport import TransportSecurity
 from services.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -148,19 +150,11 @@ def pick(
 class Endpoint:
     """One worker address: its channel and, owned by its pool, health and load."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(self, address: str, max_message_bytes: int, security: TransportSecurity,
+                 peer: Role) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                *channel_options(max_message_bytes),
-                ("grpc.enable_retries", 0),
-                # A restarted worker is found again quickly (gRPC's default backoff starts at 1 s).
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        self.channel = security.aio_channel(
+            address, peer, [*client_channel_options(max_message_bytes), ("grpc.enable_retries", 0)])
         self.healthy = False
         self.outstanding = 0
         self.last_pick = 0
@@ -187,6 +181,7 @@ class WorkerPool:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_outstanding: int | None = None,
         max_waiting: int = 1024,
+        security: TransportSecurity | None = None,
     ) -> None:
         if max_outstanding is not None and max_outstanding < 1:
             raise ValueError(f"max_outstanding: {max_outstanding} must be >= 1 (or None)")
@@ -197,6 +192,8 @@ class WorkerPool:
         self.max_outstanding = max_outstanding
         self._resolver = resolver
         self._max_message_bytes = max_message_bytes
+        self._security = security or TransportSecurity.local_plaintext()
+        self._peer = Role(role)
         self._endpoints: dict[str, Endpoint] = {}
         waiting = metrics.GATEWAY_WAITING.labels(role)
         self._queue: WaitQueue[Endpoint] = WaitQueue(max_waiting, on_waiting=waiting.set)
@@ -304,7 +301,7 @@ class WorkerPool:
         self._resolved_at = time.monotonic()
         for address in addresses:
             if address not in self._endpoints:
-                self._endpoints[address] = Endpoint(address, self._max_message_bytes)
+                self._endpoints[address] = Endpoint(address, self._max_message_bytes, self._security, self._peer)
         for address in [a for a in self._endpoints if a not in addresses]:
             await self._retire(self._endpoints.pop(address))
 

@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import grpc
 
-from services.rpc.errors import AlreadyExists, ServiceError, Unavailable, error_detail
+from services.rpc.errors import (  # re-exported: the HTTP front's authentication hook raises them
+    AlreadyExists,
+    Internal,
+    PermissionDenied,
+    ServiceError,
+    Unauthenticated,
+    Unavailable,
+    error_detail,
+)
+
+__all__ = ["DeadlineExceeded", "PermissionDenied", "RelayedError", "RequestInFlight", "Unauthenticated",
+           "WorkerFailed", "relay"]
 from services.rpc.kvrelay.v1 import common_pb2
 
 
@@ -34,9 +45,17 @@ def relay(error: grpc.aio.AioRpcError, where: str) -> ServiceError:
     """The error to send the client for a failed call to `where` (e.g. "decode worker 1.2.3.4:50063").
     Transport failures without a kvrelay detail become UNAVAILABLE naming `where`."""
     detail = error_detail(error)
+    if error.code() in _REFUSED_US:
+        # The worker refused the gateway's own identity, not the client's: a deployment
+        # misconfiguration (certificates, roles) that the client can neither fix nor retry.
+        message = detail.message if detail is not None else (error.details() or "")
+        return Internal(f"{where} refused this gateway ({error.code().name}): {message}")
     if detail is None:
         return Unavailable(f"{where}: {error.code().name}: {error.details() or 'no details'}")
     return RelayedError(error.code(), detail, where)
+
+
+_REFUSED_US = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class WorkerFailed(Exception):
@@ -55,6 +74,14 @@ class WorkerFailed(Exception):
         self.prefill = prefill
         self.decode = decode
         self.busy = busy
+
+
+class DeadlineExceeded(ServiceError):
+    """The request outlived the deadline its front gave it (the HTTP front's request timeout;
+    gRPC clients' own deadlines are grpc's to enforce)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = common_pb2.ERROR_REASON_UNSPECIFIED
 
 
 class RequestInFlight(AlreadyExists):

@@ -2,8 +2,11 @@
 length, tensor contract; no weights), the default manifests, worker discovery, gRPC server.
 
 `GatewayServer.start(config)` returns a serving instance; its gRPC health reports SERVING
-while the policy service serves and each role has a healthy worker. `stop()` drains gRPC and
-closes the pools, the tokenizer threads and the policy client. `serve(config)` runs until
+while the policy service serves and each role has a healthy worker. With `config.http` it also
+serves the OpenAI-compatible HTTP front (services/gateway/openai_api) over the same prompt
+validator and orchestrator; its `/health` follows the same readiness, and `authenticate` (a
+hook that sees each HTTP request's headers) may refuse a request. `stop()` stops the HTTP
+front, drains gRPC and closes the pools, the tokenizer threads and the policy client. `serve(config)` runs until
 SIGINT/SIGTERM (what `kvrelay serve gateway` calls).
 """
 
@@ -16,6 +19,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import WorkerPool
@@ -32,6 +36,11 @@ from services.policy import PolicyClient, PolicyClientConfig, PolicyUnavailable
 from services.rpc.kvrelay.v1 import gateway_pb2_grpc
 from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServiceBinding, start_server
+from services.security.access import api_key_check
+
+if TYPE_CHECKING:
+    from services.gateway.openai_api.app import Authenticate
+    from services.gateway.openai_api.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +77,10 @@ class GatewayServer:
     """A running gateway."""
 
     def __init__(self, config: GatewayConfig, rpc: RpcServer, policy: PolicyClient,
-                 pools: tuple[WorkerPool, WorkerPool], orchestrator: Orchestrator, prompts: PromptValidator) -> None:
+                 pools: tuple[WorkerPool, WorkerPool], orchestrator: Orchestrator, prompts: PromptValidator,
+                 http: HttpServer | None = None) -> None:
         self.config = config
+        self.http = http
         self.rpc = rpc
         self.policy = policy
         self.prefill_pool, self.decode_pool = pools
@@ -81,15 +92,17 @@ class GatewayServer:
         return self.rpc.address
 
     @classmethod
-    async def start(cls, config: GatewayConfig) -> GatewayServer:
+    async def start(cls, config: GatewayConfig, authenticate: Authenticate | None = None) -> GatewayServer:
         served = await asyncio.to_thread(ServedModel.read, config.checkpoint, config.dtype)
-        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s))
+        security = config.server.security
+        policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s,
+                                                 security=security))
         pools = (
             WorkerPool("prefill", PREFILL_SERVICE, config.prefill_workers, config.discovery,
-                       max_message_bytes=config.server.max_message_bytes,
+                       max_message_bytes=config.server.max_message_bytes, security=security,
                        max_outstanding=config.prefill_max_outstanding, max_waiting=config.admission_max_waiting),
             WorkerPool("decode", DECODE_SERVICE, config.decode_workers, config.discovery,
-                       max_message_bytes=config.server.max_message_bytes,
+                       max_message_bytes=config.server.max_message_bytes, security=security,
                        max_outstanding=config.decode_max_outstanding, max_waiting=config.admission_max_waiting),
         )
         prompts = PromptValidator(served.limits(config), served.tokenizer, config.tokenizer_threads,
@@ -113,6 +126,7 @@ class GatewayServer:
             servicer = GatewayServicer(prompts, orchestrator)
             binding = ServiceBinding(SERVICE_NAME, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
             rpc = await start_server(config.server, [binding], readiness_checks(policy, *pools))
+            http = await _start_http(config, prompts, orchestrator, rpc, authenticate)
         except BaseException:
             for pool in pools:
                 await pool.close()
@@ -121,16 +135,46 @@ class GatewayServer:
             raise
         log.info("gateway on %s: prefill %s, decode %s, policy %s", rpc.address, config.prefill_workers,
                  config.decode_workers, config.policy_address)
-        return cls(config, rpc, policy, pools, orchestrator, prompts)
+        return cls(config, rpc, policy, pools, orchestrator, prompts, http)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain gRPC, finish pending EndRequest calls, close pools and the policy client."""
+        """Stop the HTTP front, drain gRPC, finish pending EndRequest calls, close pools and
+        the policy client."""
+        if self.http is not None:
+            await self.http.stop()
         await self.rpc.stop(grace_s)
         await self.orchestrator.close()
         await self.prefill_pool.close()
         await self.decode_pool.close()
         await self.policy.close()
         self.prompts.close()
+
+
+async def _start_http(config: GatewayConfig, prompts: PromptValidator, orchestrator: Orchestrator, rpc: RpcServer,
+                      authenticate: Authenticate | None) -> HttpServer | None:
+    if config.http is None:
+        return None
+    # Imported here: FastAPI and uvicorn load only in a gateway that serves HTTP.
+    from services.gateway.openai_api.app import Front, create_app
+    from services.gateway.openai_api.server import HttpServer
+
+    if authenticate is None and config.server.security.tokens:
+        authenticate = api_key_check(config.server.security.tokens)  # the API keys of gRPC Generate
+    if authenticate is None:
+        log.warning("HTTP front without authentication: every caller may generate")
+    front = Front(prompts, orchestrator, config.http.model_name or _model_name(config.checkpoint),
+                  ready=lambda: rpc.readiness.ready, request_timeout_s=config.http.request_timeout_s,
+                  max_body_bytes=config.server.max_message_bytes, authenticate=authenticate)
+    try:
+        return await HttpServer.start(config.http, create_app(front))
+    except BaseException:
+        await rpc.stop(0)
+        raise
+
+
+def _model_name(checkpoint: Path) -> str:
+    """The model id of the HTTP front: the checkpoint's file name without `.gguf`, or its directory's."""
+    return checkpoint.stem if checkpoint.suffix.lower() == ".gguf" else checkpoint.name
 
 
 def readiness_checks(policy: PolicyClient, prefill: WorkerPool, decode: WorkerPool) -> list[ReadinessCheck]:
@@ -167,6 +211,8 @@ async def serve(config: GatewayConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     print(f"kvrelay gateway listening on {server.address}", flush=True)
+    if server.http is not None:
+        print(f"kvrelay gateway HTTP (OpenAI API) on {server.http.url}", flush=True)
     try:
         await stop.wait()
     finally:

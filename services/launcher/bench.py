@@ -48,6 +48,7 @@ from services.model import (
 )
 from services.model import prefill as model_prefill
 from services.model.config import dtype_name
+from services.model.tokenizer import TextTokenizer
 from services.policy import PolicyClient, PolicyClientConfig
 from services.transfer.bench import TransferBenchConfig, TransferBenchResult, run_transfer_bench
 
@@ -110,11 +111,16 @@ def bench_manifests(loaded: LoadedModel, budgets: tuple[float, ...]) -> dict[str
 
 
 def filler_prompt(loaded: LoadedModel, tokens: int, seed: int) -> list[int]:
-    """The first `tokens` token ids of needle-language filler, which the model continues. Its
-    words are English, so any tokenizer reads them: one id per word (after <bos>) for the
-    demo checkpoint's, one or more for a BPE tokenizer."""
+    """The first `tokens` token ids of needle-language filler, which the model continues."""
+    return filler_ids(loaded.require_tokenizer(), tokens, seed)
+
+
+def filler_ids(tokenizer: TextTokenizer, tokens: int, seed: int) -> list[int]:
+    """`filler_prompt` with just a tokenizer. The filler's words are English, so any tokenizer
+    reads them: one id per word (after <bos>) for the demo checkpoint's, one or more for a BPE
+    tokenizer."""
     words = [w for sentence in needle.filler(random.Random(seed), tokens) for w in sentence]
-    ids = loaded.require_tokenizer().encode(" ".join(words))
+    ids = tokenizer.encode(" ".join(words))
     assert len(ids) >= tokens, (len(ids), tokens)  # at least one id per word
     return ids[:tokens]
 

@@ -34,6 +34,9 @@ from services.model.default import DEMO_CHECKPOINT
 from services.model.errors import ModelError
 from services.model.loader import read_checkpoint
 from services.redis_embedded import free_loopback_port
+from services.security.certs import default_bundle
+from services.security.roles import Role
+from services.security.transport import TransportSecurity
 
 _LOG_TAIL_LINES = 20
 
@@ -76,12 +79,18 @@ class StackConfig:
     # prefill worker +2 + 10 i, the i-th decode worker +3 + 10 i (9091 gives the documented
     # 9091-9094). 0 turns metrics off; None leaves each service its own default.
     metrics_base_port: int | None = None
+    # A `kvrelay certs` directory: every service runs with mutual TLS, each with its role's
+    # certificate. None: plaintext on loopback, asked for explicitly (`--plaintext`).
+    tls_dir: Path | None = None
+    # The gateway's OpenAI-compatible HTTP API (`--http-port`); 0: off.
+    http_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill_ports or not self.decode_ports:
             raise ValueError("prefill_ports/decode_ports: a stack needs at least one of each worker")
         ports = [self.gateway_port, self.policy_port, *self.prefill_ports,
-                 *(p for w in self.decode_ports for p in (w.grpc, w.rendezvous))]
+                 *(p for w in self.decode_ports for p in (w.grpc, w.rendezvous)),
+                 *([self.http_port] if self.http_port else [])]
         if any(not 0 < p < 65536 for p in ports):
             raise ValueError(f"ports: every port must be in (0, 65536), got {ports}")
         if len(set(ports)) != len(ports):
@@ -111,9 +120,10 @@ class StackConfig:
     def with_counts(
         cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, base_port: int = 50051, **overrides: object
     ) -> StackConfig:
-        """Ports from `base_port` (the gateway's): policy +10, prefill +11, decode +12 and its
-        rendezvous +13, the i-th extra worker of a role 10 * i higher. The default base gives
-        the documented ports 50051, 50061, 50062, 50063/50064."""
+        """Ports from `base_port` (the gateway's): its HTTP API +1, policy +10, prefill +11, decode
+        +12 and its rendezvous +13, the i-th extra worker of a role 10 * i higher. The default base
+        gives the documented ports 50051 (50052 HTTP), 50061, 50062, 50063/50064."""
+        overrides.setdefault("http_port", base_port + 1)
         return cls(
             checkpoint=checkpoint,
             gateway_port=base_port,
@@ -178,6 +188,8 @@ class ServiceProcess:
     argv: tuple[str, ...]
     log_path: Path
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # How the launcher reaches it for health checks (an operator certificate on a TLS stack).
+    security: TransportSecurity = field(default_factory=TransportSecurity.local_plaintext, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -196,7 +208,7 @@ class ServiceProcess:
 
     def check_healthy(self, timeout_s: float = 0.2) -> bool:
         """One gRPC health check: True if the service answers SERVING."""
-        with grpc.insecure_channel(self.address) as channel:
+        with self.security.channel(self.address, Role(self.role)) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             except grpc.RpcError:
@@ -206,7 +218,7 @@ class ServiceProcess:
     def wait_healthy(self, deadline: float) -> None:
         """Poll gRPC health until SERVING; StackError (with the log tail) if the process exits
         or `deadline` (time.monotonic) passes."""
-        with grpc.insecure_channel(self.address) as channel:
+        with self.security.channel(self.address, Role(self.role)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if not self.running:
@@ -275,6 +287,11 @@ class Stack:
         return self.config.address(self.config.gateway_port)
 
     @property
+    def http_url(self) -> str | None:
+        """Where the gateway's OpenAI-compatible HTTP API listens (None: off)."""
+        return f"http://{self.config.address(self.config.http_port)}" if self.config.http_port else None
+
+    @property
     def policy_address(self) -> str:
         return self.config.address(self.config.policy_port)
 
@@ -302,6 +319,7 @@ class Stack:
         # A new stack starts from a new Redis: manifests of an earlier run (maybe another
         # checkpoint) must not come back; restarts within this run read the journal.
         self.manifest_journal.unlink(missing_ok=True)
+        self._ensure_certificates()
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
             self._launch([self._policy()], deadline, on_ready)
@@ -312,6 +330,12 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def _ensure_certificates(self) -> None:
+        """A TLS stack whose directory has no CA yet gets a development set (`kvrelay certs`)."""
+        tls = self.config.tls_dir
+        if tls is not None and not (tls / "ca.pem").exists():
+            default_bundle(tls, hosts=(self.config.host,))
 
     def stop(self) -> None:
         """Stop the gateway (it drains its requests while the workers still run), then the
@@ -377,8 +401,26 @@ class Stack:
 
     def _service(self, name: str, role: str, port: int, args: Sequence[str], index: int | None = 0,
                  extra: Sequence[str] = ()) -> ServiceProcess:
-        argv = service_command(role, *args, *self._metrics_args(role, index), *self.config.args_for(role), *extra)
-        return ServiceProcess(name, role, self.config.address(port), argv, self.log_dir / f"{name}.log")
+        argv = service_command(role, *args, *self._metrics_args(role, index), *self._security_args(role),
+                               *self.config.args_for(role), *extra)
+        return ServiceProcess(name, role, self.config.address(port), argv, self.log_dir / f"{name}.log",
+                              security=self.client_security("operator"))
+
+    def _security_args(self, role: str) -> list[str]:
+        tls = self.config.tls_dir
+        if tls is None:
+            return ["--plaintext"]
+        return ["--tls-cert", str(tls / f"{role}.pem"), "--tls-key", str(tls / f"{role}.key"),
+                "--tls-ca", str(tls / "ca.pem")]
+
+    def client_security(self, identity: str) -> TransportSecurity:
+        """How a client holding `identity`'s certificate (of the stack's TLS directory) reaches
+        the stack's services; plaintext on a plaintext stack."""
+        tls = self.config.tls_dir
+        if tls is None:
+            return TransportSecurity.local_plaintext()
+        return TransportSecurity.from_files(cert=tls / f"{identity}.pem", key=tls / f"{identity}.key",
+                                            ca=tls / "ca.pem")
 
     def _metrics_args(self, role: str, index: int | None) -> list[str]:
         """`--metrics-port` when the stack numbers metrics ports; a spare (`index` None) gets 0 (off)."""
@@ -424,4 +466,6 @@ class Stack:
                 "--policy-address", self.policy_address,
                 "--prefill-workers", ",".join(self.prefill_addresses),
                 "--decode-workers", ",".join(self.decode_addresses)]
+        if self.config.http_port:
+            args += ["--http-port", str(self.config.http_port)]
         return self._service("gateway", "gateway", self.config.gateway_port, args)

@@ -35,8 +35,14 @@ def run_up(config: StackConfig, console: Console | None = None, restarts: Restar
     try:
         stack.start(on_ready=ready)
         console.print(f"[bold]kvrelay gateway listening on {stack.gateway_address}[/bold]")
+        if stack.http_url:
+            console.print(f"  OpenAI-compatible HTTP API on {stack.http_url}/v1")
         console.print(f"  ready in {time.monotonic() - started:.1f} s")
-        console.print(f'  try: kvrelay generate "What is the capital of France?" --chat --gateway {stack.gateway_address}')
+        tls = config.tls_dir
+        flags = "" if tls is None else f" --tls-ca {tls / 'ca.pem'}"
+        if tls is not None:
+            console.print(f"  mutual TLS between every service; certificates in {tls}")
+        console.print(f'  try: kvrelay generate "What is the capital of France?" --chat --gateway {stack.gateway_address}{flags}')
         console.print("  Ctrl-C stops every service")
         return _watch(Supervisor(stack, restarts), console, ready)
     except KeyboardInterrupt:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -27,6 +27,8 @@ from services.policy.errors import (
     NotFound,
     PolicyCallFailed,
     PolicyError,
+    PolicyPermissionDenied,
+    PolicyUnauthenticated,
     PolicyUnavailable,
     RequestEnded,
     RequestInvalid,
@@ -42,7 +44,9 @@ from services.policy.types import (
 )
 from services.rpc.errors import error_detail
 from services.rpc.kvrelay.v1 import common_pb2, policy_pb2, policy_pb2_grpc
-from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
+from services.security.roles import Role
+from services.security.transport import TransportSecurity
 
 Response = TypeVar("Response")
 POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
@@ -58,6 +62,7 @@ class PolicyClientConfig:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 0.5
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    security: TransportSecurity = field(default_factory=TransportSecurity.local_plaintext)
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -94,6 +99,10 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> PolicyError:
     if code == grpc.StatusCode.FAILED_PRECONDITION and detail.HasField("current"):
         stale = RequestEnded if detail.reason == common_pb2.ERROR_REASON_REQUEST_ENDED else StaleGeneration
         return stale(message, field=field, current=wire.fence_from_proto(detail.current))
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return PolicyUnauthenticated(message, field=field)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PolicyPermissionDenied(message, field=field)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return PolicyUnavailable(f"{code.name}: {message}", field=field)
     return PolicyCallFailed(f"{code.name}: {message}", status=code, field=field)
@@ -104,16 +113,10 @@ class PolicyClient:
 
     def __init__(self, config: PolicyClientConfig, *, rng: random.Random | None = None) -> None:
         self.config = config
-        self._channel = grpc.aio.insecure_channel(
-            config.target,
-            options=[
-                *channel_options(config.max_message_bytes),
-                ("grpc.enable_retries", 0),  # retries are ours, bounded by the call deadline
-                # Reconnect quickly after a service restart (gRPC's default starts at 1 s).
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
+        self._channel = config.security.aio_channel(
+            config.target, Role.POLICY,
+            # Retries are ours, bounded by the call deadline.
+            [*client_channel_options(config.max_message_bytes), ("grpc.enable_retries", 0)],
         )
         self._stub = policy_pb2_grpc.PolicyServiceStub(self._channel)
         self._rng = rng or random.Random()

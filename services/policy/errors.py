@@ -67,6 +67,14 @@ class RequestEnded(StaleGeneration):
     reason = common_pb2.ERROR_REASON_REQUEST_ENDED
 
 
+class PolicyUnauthenticated(rpc_errors.Unauthenticated, PolicyError):
+    """The policy service did not know who called (no certificate from its CA, no token)."""
+
+
+class PolicyPermissionDenied(rpc_errors.PermissionDenied, PolicyError):
+    """The caller lacks the role for the call, or the request id belongs to another identity."""
+
+
 class PolicyUnavailable(rpc_errors.Unavailable, PolicyError):
     """The policy service or its Redis could not be reached within the deadline."""
 

@@ -19,6 +19,8 @@ INVALID_ARGUMENT naming the field when it can be told (`undecodable_request`).
 | `Unavailable`, Redis connection errors  | UNAVAILABLE          |
 | `ResourceExhausted` (capacity, budgets) | RESOURCE_EXHAUSTED   |
 | `Internal` (a computation went wrong)   | INTERNAL             |
+| `Unauthenticated` (no identity)         | UNAUTHENTICATED      |
+| `PermissionDenied` (role, owner)        | PERMISSION_DENIED    |
 | a request message that does not parse   | INVALID_ARGUMENT     |
 """
 
@@ -105,6 +107,20 @@ class ResourceExhausted(ServiceError):
 
 class Internal(ServiceError):
     code = grpc.StatusCode.INTERNAL
+
+
+class Unauthenticated(ServiceError):
+    """The caller proved no identity (services.security.access)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = common_pb2.ERROR_REASON_UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    """The caller's identity lacks the role, or does not own the request id."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = common_pb2.ERROR_REASON_PERMISSION_DENIED
 
 
 @dataclass(frozen=True)

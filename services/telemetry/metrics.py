@@ -12,6 +12,7 @@ defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpo
 | policy_undecodable_entries_total             | policy           | manifest index entries a listing skipped |
 | gateway_ttft_seconds, gateway_tpot_seconds   | gateway          | as the client sees the stream           |
 | gateway_requests_in_flight, gateway_retries_total | gateway     | load and retries on other workers       |
+| http_requests_total{route,status}, http_request_duration_seconds{route} | gateway | the OpenAI-compatible HTTP front (a stream: until its last event) |
 | prefill_stage_seconds{stage}                 | prefill          | forward, score, allocate, select, pack, publish, send |
 | prefill_in_flight, prefill_queue_depth       | prefill          | prompts running / waiting for a slot    |
 | kv_rows_total{policy,kind}, kv_bytes_total{policy,kind} | prefill | retained and omitted rows and K/V bytes |
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
@@ -53,6 +55,8 @@ from prometheus_client import (
     start_http_server,
 )
 from prometheus_client.registry import Collector
+
+from services.rpc.handlers import HandlerInterceptor, rewrap
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,12 @@ GATEWAY_WAITING = _unregistered(Gauge, "kvrelay_gateway_admission_waiting",
                                 "Requests waiting at the gateway for a worker with room, by role", ("role",))
 GATEWAY_RETRIES = _unregistered(Counter, "kvrelay_gateway_retries",
                                 "Attempts retried on other workers after a failure before the first token")
+HTTP_REQUESTS = _unregistered(Counter, "kvrelay_http_requests",
+                              "Requests served by the OpenAI-compatible HTTP front, by route and HTTP status",
+                              ("route", "status"))
+HTTP_DURATION = _unregistered(Histogram, "kvrelay_http_request_duration_seconds",
+                              "HTTP front request duration (a stream: until its last event), by route",
+                              ("route",), buckets=LATENCY_BUCKETS)
 
 PREFILL_STAGE = _unregistered(Histogram, "kvrelay_prefill_stage_seconds", "Prefill pipeline stage duration",
                               ("stage",), buckets=LATENCY_BUCKETS)
@@ -119,6 +129,8 @@ DECODE_ACTIVE = _unregistered(Gauge, "kvrelay_decode_requests_active", "Requests
 DECODE_WAITING = _unregistered(Gauge, "kvrelay_decode_requests_waiting", "Verified requests waiting for room in the batch")
 DECODE_KV_RESERVED = _unregistered(Gauge, "kvrelay_decode_kv_reserved_bytes",
                                    "KV bytes reserved by accepted transfers (resident rows plus room to append)")
+DECODE_KV_ALLOCATED = _unregistered(Gauge, "kvrelay_decode_kv_allocated_bytes",
+                                    "KV bytes of the pool pages decode caches hold now (<= reserved)")
 DECODE_BATCH = _unregistered(Histogram, "kvrelay_decode_batch_size", "Requests per decode step",
                              buckets=BATCH_BUCKETS)
 DECODE_TOKENS = _unregistered(Counter, "kvrelay_decode_tokens", "Output tokens decoded (the first comes from prefill)")
@@ -148,11 +160,12 @@ RECALL_FALLBACKS = _unregistered(Counter, "kvrelay_recall_fallbacks",
 _COMMON: tuple[Collector, ...] = (RPC_REQUESTS, RPC_DURATION)
 _TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUPS_CREATED, PAIR_GROUPS_EVICTED)
 ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
-    "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_WAITING, GATEWAY_RETRIES),
+    "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_WAITING, GATEWAY_RETRIES, HTTP_REQUESTS,
+                HTTP_DURATION),
     "policy": (STALE_REJECTIONS, POLICY_UNDECODABLE_ENTRIES),
     "prefill": (STALE_REJECTIONS, PREFILL_STAGE, PREFILL_IN_FLIGHT, PREFILL_QUEUE_DEPTH, KV_ROWS, KV_BYTES,
                 OFFLOAD_STORE_BYTES, OFFLOAD_REFUSALS, OFFLOAD_RELEASED, OFFLOAD_RECALLS_SERVED, *_TRANSFER),
-    "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED,
+    "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED, DECODE_KV_ALLOCATED,
                DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, DECODE_NON_FINITE, RECALLS, RECALL_ROWS, RECALL_BYTES,
                RECALL_SECONDS, RECALL_FALLBACKS, *_TRANSFER),
 }
@@ -207,32 +220,16 @@ def timed(histogram: Any) -> Any:
         histogram.observe(time.perf_counter() - started)
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+class RpcMetricsInterceptor(HandlerInterceptor):
     """Counts and times every served call (unary and server-streaming) by method and final
     status code; health checks and reflection are left out."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(_UNMEASURED_PREFIXES):
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if method.startswith(_UNMEASURED_PREFIXES):
             return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _measured_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _measured_stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        measured = rewrap(handler, unary=functools.partial(_measured_unary, method),
+                          stream=functools.partial(_measured_stream, method), async_only=False)
+        return measured if measured is not None else handler
 
 
 def _measured_unary(method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

@@ -49,7 +49,7 @@ def _wait_for_listening(process: subprocess.Popen[str]) -> re.Match[str]:
 def test_serve_decode_starts_serves_and_stops_on_sigterm(checkpoint: Path) -> None:
     command = [*_kvrelay(), "serve", "decode", "--checkpoint", str(checkpoint), "--port", "0",
                "--transfer-port", "0", "--worker-id", "decode-cli", "--torch-threads", "1",
-               "--log-level", "WARNING", "--policy-address", "127.0.0.1:1"]
+               "--log-level", "WARNING", "--policy-address", "127.0.0.1:1", "--plaintext"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         match = _wait_for_listening(process)

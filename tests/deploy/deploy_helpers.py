@@ -15,12 +15,15 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import typer
 import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = (REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.cuda")
@@ -31,6 +34,9 @@ COMPOSE_SECRETS_SCRIPT = REPO / "docker" / "generate-secrets.sh"
 # configuration and NCCL's tuning knobs (read by the libraries, not by kvrelay's CLI).
 LIBRARY_ENV_PREFIXES = ("OTEL_", "NCCL_")
 PORT_PARAMS = ("port", "transfer_port", "metrics_port")
+# Where compose and the Kubernetes overlays serve the gateway's OpenAI-compatible HTTP API
+# (`--http-port`; the CLI's default is 0, off).
+GATEWAY_HTTP_PORT = 8000
 
 
 # ---- the CLI as data ----
@@ -266,10 +272,12 @@ def render(directory: Path) -> list[dict[str, Any]]:
 
 
 def run_script(script: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`sh SCRIPT ARGS` with the given extra environment (and no inherited Redis password)."""
-    environment = {k: v for k, v in os.environ.items() if k != "KVRELAY_REDIS_PASSWORD"}
+    """`sh SCRIPT ARGS` with the given extra environment (and no inherited Redis password), the
+    venv's `kvrelay` first on PATH, as in an operator's shell with kvrelay installed."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("KVRELAY_REDIS_PASSWORD", "KVRELAY")}
+    environment["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), environment.get("PATH", "")])
     return subprocess.run(
-        ["sh", str(script), *args], capture_output=True, text=True, timeout=30, check=False,
+        ["sh", str(script), *args], capture_output=True, text=True, timeout=60, check=False,
         env={**environment, **(env or {})},
     )
 
@@ -281,3 +289,33 @@ def copy_with_secrets(source: Path, destination: Path, script: str, ignore: str)
     done = run_script(destination / script)
     assert done.returncode == 0, done.stderr
     return destination
+
+
+# ---- a health service to probe ----
+
+
+@dataclass(frozen=True)
+class HealthServer:
+    server: grpc.Server
+    servicer: health.HealthServicer
+    port: int
+
+
+def start_health_server(mtls: tuple[bytes, bytes, bytes] | None = None) -> HealthServer:
+    """A started gRPC health service, SERVING, on a free loopback port, built with grpc directly
+    (not with the code under test). With `mtls` = (key PEM, certificate PEM, CA PEM) it holds
+    that certificate and requires a client certificate from that CA; without, plaintext.
+    The caller stops `.server`."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if mtls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        key, cert, ca = mtls
+        credentials = grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=True)
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return HealthServer(server, servicer, port)

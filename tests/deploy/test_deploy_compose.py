@@ -1,23 +1,31 @@
 """docker/compose.yaml (and the GPU override): valid against the Compose specification's JSON
 schema, every kvrelay service runs a real `kvrelay serve ROLE` with that role's own
 environment names and default ports, addresses point at services that listen there, and the
-stack is wired as documented (Redis password from generated files, never on a command line or in
-the compose files; Jaeger OTLP; health-gated start order)."""
+stack is wired as documented (Redis password, per-role TLS identities and API keys from generated
+files mounted as Compose secrets, never on a command line or in the compose files; the health
+check speaks the service's TLS; Jaeger OTLP; health-gated start order)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
 import json
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from deploy_helpers import (
     COMPOSE_SECRETS_SCRIPT,
+    GATEWAY_HTTP_PORT,
     PORT_PARAMS,
     REPO,
     copy_with_secrets,
@@ -30,10 +38,19 @@ from deploy_helpers import (
     role_of,
     run_script,
     serve_roles,
+    start_health_server,
 )
+
+from services.security.certs import peer_identity_from_pem
+from services.security.roles import Role
+from services.security.tokens import TokenTable
+from services.security.transport import server_name
 
 COMPOSE = REPO / "docker" / "compose.yaml"
 COMPOSE_GPU = REPO / "docker" / "compose.gpu.yaml"
+TLS_ENV = ("KVRELAY_TLS_CERT", "KVRELAY_TLS_KEY", "KVRELAY_TLS_CA")
+FORBIDDEN_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token", "--auth-tokens",
+                   "--api-key", "--plaintext", "--allow-remote-plaintext")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -210,6 +227,8 @@ def test_no_password_in_the_compose_files_or_on_a_command_line(path: Path) -> No
                  *service.get("healthcheck", {}).get("test", [])]
         line = " ".join(str(w) for w in words)
         assert "requirepass" not in line and " -a " not in f" {line} " and "AUTH" not in line, name
+        assert not any(flag in line for flag in FORBIDDEN_FLAGS), f"{name}: {line}"
+    assert "BEGIN" not in text and "PRIVATE KEY" not in text, "no key material in the compose file"
 
 
 def test_generate_secrets_keeps_existing_files_and_refuses_unsafe_passwords(docker_copy: Path) -> None:
@@ -233,7 +252,8 @@ def test_jaeger_receives_otlp_from_every_service_and_ui_and_gateway_are_publishe
         assert service["environment"]["OTEL_SERVICE_NAME"] == f"kvrelay-{role_of(service['command'])}"
     gateway = next(s for s in kvrelay_services(compose).values() if role_of(s["command"]) == "gateway")
     port = default_ports()["gateway"]["port"]
-    assert gateway["ports"] == [f"{port}:{port}"]
+    assert gateway["ports"] == [f"{port}:{port}", f"{GATEWAY_HTTP_PORT}:{GATEWAY_HTTP_PORT}"]
+    assert gateway["environment"]["KVRELAY_GATEWAY_HTTP_PORT"] == str(GATEWAY_HTTP_PORT)
 
 
 def test_gpu_override_puts_the_workers_on_cuda() -> None:
@@ -247,3 +267,111 @@ def test_gpu_override_puts_the_workers_on_cuda() -> None:
         assert service["environment"]["NCCL_SOCKET_IFNAME"] == "eth0"
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+
+
+def secret_file(directory: Path, compose: dict[str, Any], service: dict[str, Any], path: str) -> Path:
+    """The host file that Compose mounts at `path` (/run/secrets/<target>) in `service`."""
+    assert path.startswith("/run/secrets/"), path
+    target = path.removeprefix("/run/secrets/")
+    sources = [s["source"] for s in service.get("secrets", []) if isinstance(s, dict) and s.get("target") == target]
+    assert len(sources) == 1, f"{path}: {len(sources)} secrets mounted there"
+    return directory / compose["secrets"][sources[0]]["file"]
+
+
+def test_every_kvrelay_service_gets_its_roles_certificate_from_secret_files(docker_copy: Path) -> None:
+    compose = load(docker_copy / COMPOSE.name)
+    cas = set()
+    for name, service in kvrelay_services(compose).items():
+        role = role_of(service["command"])
+        own = envvars(serve_roles()[role])
+        env = service["environment"]
+        files = {}
+        for var in TLS_ENV:
+            assert var in env and var in own, f"{name}: no {var}"
+            files[var] = secret_file(docker_copy, compose, service, env[var])
+        assert files["KVRELAY_TLS_CERT"].name == f"{role}.pem" and files["KVRELAY_TLS_KEY"].name == f"{role}.key"
+        cert = x509.load_pem_x509_certificate(files["KVRELAY_TLS_CERT"].read_bytes())
+        ca = x509.load_pem_x509_certificate(files["KVRELAY_TLS_CA"].read_bytes())
+        cert.verify_directly_issued_by(ca)
+        key = serialization.load_pem_private_key(files["KVRELAY_TLS_KEY"].read_bytes(), password=None)
+        assert key.public_key().public_numbers() == cert.public_key().public_numbers(), name  # type: ignore[union-attr]
+        identity = peer_identity_from_pem(files["KVRELAY_TLS_CERT"].read_bytes())
+        assert identity is not None and Role(role) in identity[1], f"{name}: {identity}"
+        dns = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        assert server_name(Role(role)) in dns and name in dns, f"{name}: {dns}"
+        # Bind-mounted as they are: uid 10001 in the container reads the key; the directories
+        # above it keep other host users out.
+        assert files["KVRELAY_TLS_KEY"].stat().st_mode & 0o777 == 0o644
+        assert oct(files["KVRELAY_TLS_KEY"].parent.stat().st_mode & 0o777) == "0o700"
+        cas.add(files["KVRELAY_TLS_CA"])
+    assert len(cas) == 1
+    mounted = {Path(s["file"]).name for s in compose["secrets"].values()}
+    assert "ca.key" not in mounted, "the CA's key is mounted nowhere"
+    assert (docker_copy / "secrets" / "tls" / "ca.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_gateway_reads_api_keys_from_a_secret_file(docker_copy: Path) -> None:
+    compose = load(docker_copy / COMPOSE.name)
+    services = kvrelay_services(compose)
+    gateway = next(s for s in services.values() if role_of(s["command"]) == "gateway")
+    assert "KVRELAY_AUTH_TOKENS" in envvars(serve_roles()["gateway"])
+    tokens = secret_file(docker_copy, compose, gateway, gateway["environment"]["KVRELAY_AUTH_TOKENS"])
+    assert not TokenTable.from_file(tokens), "no key ships: Generate is open until one is added"
+    assert tokens.stat().st_mode & 0o777 == 0o644
+    others = [s for s in services.values() if role_of(s["command"]) != "gateway"]
+    assert all("KVRELAY_AUTH_TOKENS" not in s["environment"] for s in others)
+
+
+def test_generate_secrets_keeps_certificates_and_replaces_them_with_force(docker_copy: Path) -> None:
+    script = docker_copy / COMPOSE_SECRETS_SCRIPT.name
+    ca = docker_copy / "secrets" / "tls" / "ca.pem"
+    api_keys = docker_copy / "secrets" / "api-keys"
+    before, keys_before = ca.read_text(), api_keys.read_text()
+    assert run_script(script).returncode == 0 and ca.read_text() == before
+    refused = run_script(script, "--force", env={"KVRELAY": str(docker_copy / "no-such-kvrelay")})
+    assert refused.returncode == 2 and "KVRELAY" in refused.stderr and ca.read_text() == before
+    assert run_script(script, "--force").returncode == 0
+    assert ca.read_text() != before, "--force makes a new CA"
+    assert api_keys.read_text() == keys_before, "API keys are never replaced"
+    assert (docker_copy / "secrets" / "tls" / "gateway.key").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.fixture
+def role_health_server(docker_copy: Path) -> Iterator[Any]:
+    """start(role) -> port of a gRPC health service behind the role's generated certificate,
+    requiring a client certificate from the generated CA."""
+    servers = []
+
+    def start(role: str) -> int:
+        tls = docker_copy / "secrets" / "tls"
+        started = start_health_server(((tls / f"{role}.key").read_bytes(),
+                                       (tls / f"{role}.pem").read_bytes(), (tls / "ca.pem").read_bytes()))
+        servers.append(started.server)
+        return started.port
+
+    yield start
+    for server in servers:
+        server.stop(grace=None).wait(5)
+
+
+@pytest.mark.parametrize("role", sorted(serve_roles()))
+def test_the_health_check_finds_each_service_serving_over_mtls(docker_copy: Path, role_health_server,
+                                                               role: str) -> None:
+    """The service's health check with its compose environment (secret paths moved to the
+    generated files) against a server holding the role's generated certificate: SERVING."""
+    compose = load(docker_copy / COMPOSE.name)
+    name, service = next((n, s) for n, s in kvrelay_services(compose).items() if role_of(s["command"]) == role)
+    port = role_health_server(role)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+    env |= {k: str(v) for k, v in service["environment"].items()}
+    for var in (*TLS_ENV, "KVRELAY_AUTH_TOKENS"):
+        if var in env:
+            env[var] = str(secret_file(docker_copy, compose, service, env[var]))
+    port_var = next(v for v, p in envvars(serve_roles()[role]).items() if p.name == "port")
+    env[port_var] = str(port)
+    env["KVRELAY_HEALTHCHECK_TIMEOUT_S"] = "5"
+    assert service["healthcheck"]["test"][1:2] == ["python"]
+    done = subprocess.run([sys.executable, str(REPO / "docker" / "healthcheck.py"), "tini", "--", "kvrelay",
+                           *service["command"]], capture_output=True, text=True, env=env, timeout=30, check=False)
+    assert done.returncode == 0, f"{name}: {done.stderr}"
+    assert done.stdout.strip() == f"127.0.0.1:{port} SERVING"

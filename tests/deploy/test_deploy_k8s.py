@@ -1,17 +1,21 @@
 """k8s/: every overlay renders with a real `kustomize build` and every rendered object validates
-(strict: unknown fields fail) against the Kubernetes JSON schemas of the oldest release with
-GA gRPC probes and of the newest bundled one; the manifests agree with the `kvrelay` CLI
+(strict: unknown fields fail) against the Kubernetes JSON schemas of the oldest supported release
+(1.27) and of the newest bundled one; the manifests agree with the `kvrelay` CLI
 (environment names, ports) and with themselves (selectors, names, references, images); the Redis
-password comes from generated Secret files, never from the base or a command line. (The
-NetworkPolicies are checked in test_deploy_k8s_network.py.)"""
+password, each role's TLS identity and the gateway's API keys come from generated Secret files,
+mounted and named by KVRELAY_* variables, never from the base or a command line; the probes run
+the image's health script, which speaks the pod's TLS (exercised here against a server with the
+rendered certificate). (The NetworkPolicies are checked in test_deploy_k8s_network.py.)"""
 
 from __future__ import annotations
 
 import base64
 import copy
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +24,10 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from deploy_helpers import (
+    GATEWAY_HTTP_PORT,
     K8S_SECRETS_SCRIPT,
     OVERLAYS,
     REPO,
@@ -30,20 +37,30 @@ from deploy_helpers import (
     is_library_env,
     kustomize_command,
     package_version,
+    parse_dockerfile,
     render,
     resolve_command,
     role_of,
     run_script,
     serve_roles,
+    start_health_server,
 )
 from kubernetes_validate.utils import ValidationError, latest_version, validate
 
 from services.redis_embedded import find_redis_server, free_loopback_port
+from services.security.certs import peer_identity_from_pem
+from services.security.roles import Role
+from services.security.tokens import TokenTable
+from services.security.transport import server_name
 
-K8S_VERSIONS = ("1.27", latest_version())  # gRPC probes are GA from 1.27
+K8S_VERSIONS = ("1.27", latest_version())  # the oldest release supported, and the newest bundled
 EXPECTED_KINDS = {"Namespace", "ConfigMap", "Secret", "Service", "Deployment", "StatefulSet",
                   "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"}
 MANIFESTS_DIR = "/etc/kvrelay/manifests"
+TLS_ENV = {"KVRELAY_TLS_CERT": "tls.crt", "KVRELAY_TLS_KEY": "tls.key", "KVRELAY_TLS_CA": "ca.crt"}
+# Flags that would put key material or a credential (or no TLS at all) on a command line.
+FORBIDDEN_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token", "--auth-tokens",
+                   "--api-key", "--plaintext", "--allow-remote-plaintext")
 Obj = dict[str, Any]
 
 
@@ -83,6 +100,32 @@ def role_container(objects: list[Obj], role: str) -> tuple[Obj, Obj]:
     found = [(w, c) for w, c in kvrelay_containers(objects) if role_of(c.get("args", [])) == role]
     assert len(found) == 1, f"{len(found)} containers run `serve {role}`"
     return found[0]
+
+
+def health_script() -> str:
+    """Where the images put docker/healthcheck.py."""
+    final = parse_dockerfile(REPO / "docker" / "Dockerfile")[1][-1]
+    return next(c.destination for c in final.copies() if c.sources == ("docker/healthcheck.py",))
+
+
+def secret_data(secret: Obj) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def mounted_secret(objects: list[Obj], workload: Obj, container: Obj, path: str) -> tuple[Obj, str]:
+    """The rendered Secret and its key behind the file `path` in `container` (a secret volume
+    mounted on the file's directory)."""
+    pod = workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    directory, name = str(Path(path).parent), Path(path).name
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    assert mount.get("readOnly") is True, f"{container['name']}: {directory} is mounted writable"
+    source = volumes[mount["name"]]["secret"]
+    items = {i["path"]: i["key"] for i in source.get("items", [])} or None
+    key = items[name] if items else name
+    secret = named(objects, "Secret")[source["secretName"]]
+    assert key in secret["data"], f"{path}: no key {key} in {source['secretName']}"
+    return secret, key
 
 
 def env_values(container: Obj) -> dict[str, str]:
@@ -189,12 +232,22 @@ def test_roles_listen_on_the_cli_default_ports_everywhere(rendered, overlay: str
         if "transfer_port" in ports:
             assert declared["transfer"] == ports["transfer_port"]
         assert declared["metrics"] == ports["metrics_port"]
-        assert set(declared.values()) == set(ports.values())
+        http = {GATEWAY_HTTP_PORT} if role == "gateway" else set()
+        assert set(declared.values()) == set(ports.values()) | http
+        if role == "gateway":
+            assert declared["http"] == int(values["KVRELAY_GATEWAY_HTTP_PORT"]) == GATEWAY_HTTP_PORT
+            assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+            # HTTPS with the pod's own TLS identity, the files KVRELAY_TLS_* name.
+            assert values["KVRELAY_GATEWAY_HTTP_CERTFILE"] == values["KVRELAY_TLS_CERT"]
+            assert values["KVRELAY_GATEWAY_HTTP_KEYFILE"] == values["KVRELAY_TLS_KEY"]
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") == "true", f"{role}: pods are not scraped"
         assert annotations.get("prometheus.io/port") == str(ports["metrics_port"]), f"{role}: scrape port"
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == ports["port"], f"{role}: {probe} is not a gRPC probe of its port"
+        for probe in ("startupProbe", "livenessProbe", *(() if role == "gateway" else ("readinessProbe",))):
+            # kubelet's gRPC probe speaks no TLS: the image's health script does (its port: the
+            # serve command's, from the same variables; tested in test_deploy_healthcheck.py).
+            assert container[probe]["exec"]["command"] == ["python", health_script()], f"{role}: {probe}"
+            assert container[probe]["timeoutSeconds"] >= 5, f"{role}: {probe} must outlast a Python start"
         assert values["OTEL_SERVICE_NAME"] == f"kvrelay-{role}"
 
 
@@ -314,7 +367,7 @@ def test_gpu_overlay_places_workers_on_gpu_nodes_with_nccl(rendered) -> None:
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         shm = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
         assert next(v for v in pod["volumes"] if v["name"] == shm)["emptyDir"]["medium"] == "Memory"
-        assert container["readinessProbe"]["grpc"]["port"] == default_ports()[role]["port"], "the patch kept the probes"
+        assert container["readinessProbe"]["exec"]["command"] == ["python", health_script()], "the patch kept the probes"
     cpu_workers = [role_container(rendered["cpu"], role)[1] for role in ("prefill", "decode")]
     assert all("KVRELAY_DEVICE" not in env_values(c) for c in cpu_workers)
 
@@ -325,7 +378,7 @@ def test_redis_password_comes_from_one_secret_and_data_persists(rendered) -> Non
     pod = redis["spec"]["template"]["spec"]
     redis_container = pod["containers"][0]
     _, policy = role_container(objects, "policy")
-    (secret,) = named(objects, "Secret").values()
+    (secret,) = [s for n, s in named(objects, "Secret").items() if n.startswith("kvrelay-redis-")]
     name = secret["metadata"]["name"]
     assert name.startswith("kvrelay-redis-"), "generated (content-hashed), so a new password rolls the pods"
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for c in (redis_container, policy)
@@ -360,9 +413,12 @@ def test_redis_password_comes_from_one_secret_and_data_persists(rendered) -> Non
 @pytest.mark.parametrize("overlay", [o.name for o in OVERLAYS])
 def test_no_command_line_or_plain_value_carries_a_secret(rendered, overlay: str) -> None:
     objects = rendered[overlay]
+    # Every secret value, and the last word of each of its lines (a password after `requirepass`,
+    # a line of a PEM key); comment lines (the API keys file's header) are no secret.
     secret_values = {base64.b64decode(v).decode().strip() for s in named(objects, "Secret").values()
                      for v in s["data"].values()}
-    secret_values |= {line.split()[-1] for v in secret_values for line in v.splitlines()}
+    secret_values = {v for v in secret_values if v and not v.startswith("#")}
+    secret_values |= {line.split()[-1] for v in secret_values for line in v.splitlines() if line.strip()}
     for workload in workloads(objects):
         pod = workload["spec"]["template"]["spec"]
         for container in containers(pod):
@@ -372,6 +428,7 @@ def test_no_command_line_or_plain_value_carries_a_secret(rendered, overlay: str)
             words = [*container.get("command", []), *container.get("args", []), *sum(probes, [])]
             text = " ".join(words)
             assert "requirepass" not in text and "--pass" not in text and " -a " not in f" {text} ", where
+            assert not any(flag in text for flag in FORBIDDEN_FLAGS), f"{where}: {text}"
             assert not any(s in text for s in secret_values), f"{where}: a secret on its command line"
             assert not re.search(r"\$\((\w*(PASSWORD|AUTH|SECRET)\w*)\)", text), where
             for entry in container.get("env", []):
@@ -385,7 +442,10 @@ def test_the_base_ships_no_password_and_does_not_build_without_generated_ones(tm
     for generator in kustomization["secretGenerator"]:
         assert "literals" not in generator and "envs" not in generator, generator["name"]
         assert all(f.split("=", 1)[1].startswith("secrets/") for f in generator["files"])
-    assert (REPO / "k8s" / ".gitignore").read_text().splitlines()[-1] == "/base/secrets/"
+    ignored = (REPO / "k8s" / ".gitignore").read_text().splitlines()
+    assert {"/base/secrets/", "/components/dev-tls/secrets/"} <= set(ignored)
+    dev_tls = yaml.safe_load((REPO / "k8s" / "components" / "dev-tls" / "kustomization.yaml").read_text())
+    assert all(f.split("=", 1)[1].startswith("secrets/") for g in dev_tls["secretGenerator"] for f in g["files"])
     bare = tmp_path / "k8s"
     shutil.copytree(REPO / "k8s", bare, ignore=lambda d, names: [n for n in names if n == "secrets"])
     done = subprocess.run([*kustomize_command(), str(bare / "overlays" / "cpu")], capture_output=True,
@@ -396,11 +456,17 @@ def test_the_base_ships_no_password_and_does_not_build_without_generated_ones(tm
 def test_generate_secrets_keeps_an_existing_password_and_checks_a_given_one(k8s_copy: Path) -> None:
     script = k8s_copy / K8S_SECRETS_SCRIPT.name
     password_file = k8s_copy / "base" / "secrets" / "redis-password"
-    before = password_file.read_text()
+    ca_file = k8s_copy / "components" / "dev-tls" / "secrets" / "ca.pem"
+    before, ca_before = password_file.read_text(), ca_file.read_text()
     assert run_script(script).returncode == 0 and password_file.read_text() == before
+    assert ca_file.read_text() == ca_before, "existing certificates are kept"
     refused = run_script(script, "--force", env={"KVRELAY_REDIS_PASSWORD": "not url safe@host:1"})
     assert refused.returncode == 2 and "KVRELAY_REDIS_PASSWORD" in refused.stderr
     assert password_file.read_text() == before, "a refused password replaces nothing"
+    assert ca_file.read_text() == ca_before, "nor the certificates"
+    no_cli = run_script(script, "--force", env={"KVRELAY": str(k8s_copy / "no-such-kvrelay")})
+    assert no_cli.returncode == 2 and "KVRELAY" in no_cli.stderr
+    assert password_file.read_text() == before, "without `kvrelay certs` nothing is replaced"
     assert run_script(script, "--force", env={"KVRELAY_REDIS_PASSWORD": "short"}).returncode == 2
     assert oct(password_file.stat().st_mode & 0o777) == "0o600"
     assert oct(password_file.parent.stat().st_mode & 0o777) == "0o700"
@@ -408,6 +474,8 @@ def test_generate_secrets_keeps_an_existing_password_and_checks_a_given_one(k8s_
     assert run_script(script, "--force", env={"KVRELAY_REDIS_PASSWORD": chosen}).returncode == 0
     assert password_file.read_text() == chosen
     assert (password_file.parent / "redis-auth.conf").read_text() == f"requirepass {chosen}\n"
+    assert ca_file.read_text() != ca_before, "--force also makes a new CA and certificates"
+    assert oct((ca_file.parent / "ca.key").stat().st_mode & 0o777) == "0o600"
     run_script(script, "--force", env={"KVRELAY_REDIS_PASSWORD": before})  # leave the fixture as it was
 
 
@@ -445,8 +513,8 @@ def test_redis_starts_from_the_rendered_config_and_requires_the_secrets_password
     """A real redis-server on loopback with the ConfigMap's redis.conf and the Secret's auth.conf
     (paths moved into tmp_path): the policy service's URL authenticates, no password does not."""
     objects = rendered["cpu"]
-    (secret,) = named(objects, "Secret").values()
-    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    (secret,) = [s for n, s in named(objects, "Secret").items() if n.startswith("kvrelay-redis-")]
+    data = secret_data(secret)
     (config,) = [c for c in named(objects, "ConfigMap").values() if "redis.conf" in c["data"]]
     (tmp_path / "auth.conf").write_text(data["auth.conf"])
     conf = re.sub(r"^include \S+$", f"include {tmp_path / 'auth.conf'}", config["data"]["redis.conf"], flags=re.M)
@@ -475,3 +543,238 @@ def test_redis_starts_from_the_rendered_config_and_requires_the_secrets_password
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def tls_identity(workload: Obj) -> str:
+    """Whose certificate a pod holds: its component (the gateway's init container registers
+    manifests with the gateway's certificate, which also holds the operator role)."""
+    return workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize("overlay", [o.name for o in OVERLAYS])
+def test_every_kvrelay_container_has_its_roles_tls_identity_from_a_mounted_secret(rendered, overlay: str) -> None:
+    objects = rendered[overlay]
+    cas = set()
+    seen = set()
+    for workload, container in kvrelay_containers(objects):
+        identity = tls_identity(workload)
+        where = f"{overlay}: {workload['metadata']['name']}/{container['name']}"
+        command, _ = resolve_command(container["args"])
+        values = env_values(container)
+        files = {}
+        for var, key in TLS_ENV.items():
+            assert var in values, f"{where}: no {var}"
+            assert var in envvars(command), f"{where}: `kvrelay {container['args'][0]}` does not read {var}"
+            secret, found = mounted_secret(objects, workload, container, values[var])
+            assert found == key, f"{where}: {var} is the Secret's {found}, not {key}"
+            assert secret["metadata"]["name"] == f"kvrelay-tls-{identity}", where  # cert-manager's name too
+            assert secret["type"] == "kubernetes.io/tls"
+            files[key] = secret_data(secret)[key]
+        volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"]
+                      if v.get("secret", {}).get("secretName") == secret["metadata"]["name"])
+        assert volume["secret"]["defaultMode"] & 0o007 == 0, f"{where}: the key is readable by other users"
+        cert = x509.load_pem_x509_certificate(files["tls.crt"].encode())
+        ca = x509.load_pem_x509_certificate(files["ca.crt"].encode())
+        cert.verify_directly_issued_by(ca)
+        key = serialization.load_pem_private_key(files["tls.key"].encode(), password=None)
+        assert key.public_key().public_numbers() == cert.public_key().public_numbers(), where  # type: ignore[union-attr]
+        name, roles = peer_identity_from_pem(files["tls.crt"].encode()) or ("", frozenset())
+        assert Role(identity) in roles, f"{where}: {name} holds {sorted(roles)}"
+        if container["args"][0] == "policies":
+            assert Role.OPERATOR in roles, f"{where}: registering manifests needs the operator role"
+        dns = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert server_name(Role(identity)) in dns.get_values_for_type(x509.DNSName), where
+        cas.add(files["ca.crt"])
+        seen.add(identity)
+    assert seen == set(serve_roles()), "every role's pods hold their own identity"
+    assert len(cas) == 1, "one CA: every service trusts every other"
+
+
+def test_the_ca_key_stays_with_the_operator(k8s_copy: Path) -> None:
+    tls = k8s_copy / "components" / "dev-tls" / "secrets"
+    ca_cert, ca_key = (tls / "ca.pem").read_text(), (tls / "ca.key").read_text().strip()
+    secrets = named(render(k8s_copy / "overlays" / "cpu"), "Secret").values()  # of the files as they are now
+    values = [value for secret in secrets for value in secret_data(secret).values()]
+    assert ca_cert in values, "the Secrets carry this CA's certificate"
+    assert all(ca_key not in value for value in values), "but never its key"
+
+
+def test_gateway_reads_its_api_keys_from_a_mounted_secret(rendered) -> None:
+    objects = rendered["cpu"]
+    workload, gateway = role_container(objects, "gateway")
+    path = env_values(gateway)["KVRELAY_AUTH_TOKENS"]
+    assert "KVRELAY_AUTH_TOKENS" in envvars(serve_roles()["gateway"])
+    secret, key = mounted_secret(objects, workload, gateway, path)
+    assert secret["metadata"]["name"].startswith("kvrelay-api-keys-")
+    assert not TokenTable.from_text(secret_data(secret)[key]), "no key ships: Generate is open at first"
+    for role in ("policy", "prefill", "decode"):
+        assert "KVRELAY_AUTH_TOKENS" not in env_values(role_container(objects, role)[1]), role
+
+
+@pytest.fixture
+def role_health_server(rendered) -> Iterator[Any]:
+    """start(role) -> port of a gRPC health service (SERVING) behind the role's rendered
+    certificate, requiring a client certificate from the rendered CA."""
+    servers = []
+
+    def start(role: str) -> int:
+        objects = rendered["cpu"]
+        workload, container = role_container(objects, role)
+        values = env_values(container)
+        data = {key: mounted_value(objects, workload, container, values[var])
+                for var, key in TLS_ENV.items()}
+        started = start_health_server(
+            (data["tls.key"].encode(), data["tls.crt"].encode(), data["ca.crt"].encode()))
+        servers.append(started.server)
+        return started.port
+
+    yield start
+    for server in servers:
+        server.stop(grace=None).wait(5)
+
+
+def mounted_value(objects: list[Obj], workload: Obj, container: Obj, path: str) -> str:
+    secret, key = mounted_secret(objects, workload, container, path)
+    return secret_data(secret)[key]
+
+
+@pytest.mark.parametrize("role", sorted(serve_roles()))
+def test_the_rendered_probe_finds_each_role_serving_over_mtls(rendered, role_health_server, role: str,
+                                                              tmp_path: Path) -> None:
+    """The probe command, with the container's environment and its Secret files (moved into
+    tmp_path), against a server holding the role's rendered certificate: SERVING."""
+    objects = rendered["cpu"]
+    workload, container = role_container(objects, role)
+    port = role_health_server(role)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+    env |= config_map_env(objects, container) | env_values(container)
+    for var in TLS_ENV:
+        moved = tmp_path / Path(env[var]).name
+        moved.write_text(mounted_value(objects, workload, container, env[var]))
+        env[var] = str(moved)
+    port_var = next(name for name, p in envvars(serve_roles()[role]).items() if p.name == "port")
+    env[port_var] = str(port)
+    env["KVRELAY_HEALTHCHECK_TIMEOUT_S"] = "5"
+    (script,) = [word for word in container["livenessProbe"]["exec"]["command"] if word.endswith(".py")]
+    assert script == health_script()
+    # In the pod the script reads the serve command from /proc/1/cmdline: tini -- kvrelay ARGS.
+    done = subprocess.run([sys.executable, str(REPO / "docker" / "healthcheck.py"), "tini", "--", "kvrelay",
+                           *container["args"]], capture_output=True, text=True, env=env, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"127.0.0.1:{port} SERVING"
+
+
+def test_cert_manager_component_fills_the_secrets_the_pods_mount_with_the_same_names(k8s_copy: Path) -> None:
+    """The production path: an overlay with ../../components/cert-manager instead of dev-tls renders,
+    ships no TLS Secret, and has one Certificate per role whose Secret is the one the role's pods
+    mount, naming the role's roles (SPIFFE URIs) and the hosts of `kvrelay certs`' certificates."""
+    from services.security.certs import default_identities
+    from services.security.roles import roles_from_uris
+
+    overlay = k8s_copy / "overlays" / "cert-manager-test"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["../../base"], "components": ["../../components/cert-manager"]}))
+    try:
+        objects = render(overlay)
+    finally:
+        shutil.rmtree(overlay)
+    assert not [n for n in named(objects, "Secret") if n.startswith("kvrelay-tls-")]
+    certificates = {c["spec"]["secretName"]: c for c in objects if c["kind"] == "Certificate"}
+    issuers = named(objects, "Issuer")
+    dev_hosts = {spec.name: set(spec.hosts) - {"localhost", "127.0.0.1", "::1"} for spec in default_identities()}
+    for role in serve_roles():
+        workload, container = role_container(objects, role)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(Path(env_values(container)["KVRELAY_TLS_CERT"]).parent)]
+        secret_name = volumes[mount["name"]]["secret"]["secretName"]
+        assert secret_name == f"kvrelay-tls-{role}", "cert-manager's Secret, by its exact name"
+        spec = certificates[secret_name]["spec"]
+        assert spec["issuerRef"]["name"] in issuers and spec["issuerRef"]["kind"] == "Issuer"
+        assert {"server auth", "client auth"} <= set(spec["usages"]), role
+        identity = roles_from_uris(spec["uris"])
+        assert identity is not None and Role(role) in identity[1], f"{role}: {spec['uris']}"
+        if role == "gateway":
+            assert Role.OPERATOR in identity[1], "the gateway registers manifests"
+        assert server_name(Role(role)) in spec["dnsNames"]
+        assert set(spec["dnsNames"]) == dev_hosts[role], f"{role}: the same names as `kvrelay certs`"
+
+
+@pytest.mark.slow  # `kvrelay policies` imports the gateway package (torch): ~10 s on a loaded machine
+async def test_the_init_container_registers_manifests_over_mtls_with_the_gateways_identity(
+        rendered, redis_server, tmp_path: Path) -> None:
+    """The gateway's init container, as rendered (its args and environment, its Secret's files
+    moved into tmp_path), against a real policy service serving the policy Secret's certificate
+    with client certificates required: it registers the ConfigMap's manifest. The same command
+    with the prefill worker's certificate is refused: registering needs the operator role."""
+    import asyncio
+    import uuid
+
+    from policy_service.config import PolicyServiceConfig
+    from policy_service.server import PolicyServer
+    from services.policy import PolicyClient, PolicyClientConfig
+    from services.policy.errors import PolicyPermissionDenied
+    from services.rpc.server import ServerConfig
+    from services.security.transport import TransportSecurity
+
+    def files_security(files: dict[str, str]) -> TransportSecurity:
+        return TransportSecurity.from_files(cert=Path(files["KVRELAY_TLS_CERT"]),
+                                            key=Path(files["KVRELAY_TLS_KEY"]),
+                                            ca=Path(files["KVRELAY_TLS_CA"]))
+
+    objects = rendered["cpu"]
+
+    def tls_files(role: str, container: Obj | None = None) -> dict[str, str]:
+        workload, serving = role_container(objects, role)
+        container = container or serving
+        moved = {}
+        for var in TLS_ENV:
+            path = tmp_path / role / Path(env_values(container)[var]).name
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(mounted_value(objects, workload, container, env_values(container)[var]))
+            moved[var] = str(path)
+        return moved
+
+    security = files_security(tls_files("policy"))
+    config = PolicyServiceConfig(server=ServerConfig(port=0, shutdown_grace_s=0.5, security=security),
+                                 redis_url=redis_server.url, key_prefix=f"t{uuid.uuid4().hex[:12]}:")
+    gateway, _ = role_container(objects, "gateway")
+    pod = gateway["spec"]["template"]["spec"]
+    (init,) = [c for c in pod["initContainers"] if c["args"][0] == "policies"]
+    files = next(m for n, m in named(objects, "ConfigMap").items() if n.startswith("kvrelay-manifests-"))["data"]
+    args = []
+    for arg in init["args"]:
+        if arg.startswith(MANIFESTS_DIR + "/"):
+            arg = str(tmp_path / Path(arg).name)
+            Path(arg).write_text(files[Path(arg).name])
+        args.append(arg)
+
+    async def register(identity_files: dict[str, str], address: str) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+        env |= config_map_env(objects, init) | env_values(init) | identity_files
+        env["KVRELAY_POLICY_ADDRESS"] = address
+        env["COLUMNS"] = "200"  # the policies table, untruncated
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "kvrelay"), *args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        return int(process.returncode or 0), out.decode()
+
+    server = await PolicyServer.start(config)
+    try:
+        code, out = await register(tls_files("gateway", init), server.address)
+        assert code == 0, out
+        assert "snapkv-10pct" in out, out
+        manifest = Path(next(a for a in args if a.endswith(".json"))).read_bytes()
+        prefill = PolicyClientConfig(server.address, security=files_security(tls_files("prefill")))
+        async with PolicyClient(prefill) as client:
+            with pytest.raises(PolicyPermissionDenied, match="operator"):
+                await client.register_manifest(manifest)
+    finally:
+        await server.stop(0)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from deploy_helpers import (
+    GATEWAY_HTTP_PORT,
     K8S_SECRETS_SCRIPT,
     OVERLAYS,
     REPO,
@@ -112,6 +113,7 @@ def design_edges(pair_range: str) -> set[Edge]:
     pair = f"TCP/{pair_range}"
     edges = {
         (CLIENTS, "gateway", tcp(port["gateway"])),
+        (CLIENTS, "gateway", tcp(GATEWAY_HTTP_PORT)),  # the OpenAI-compatible HTTP API
         *(("gateway", role, tcp(port[role])) for role in ("policy", "prefill", "decode")),
         ("prefill", "policy", tcp(port["policy"])),
         ("prefill", "decode", tcp(port["decode"])),

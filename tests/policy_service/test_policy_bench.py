@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import pytest
 import redis
 
 from policy_service.bench import (
     BenchConfig,
     Measurement,
     percentile,
+    render_markdown,
     report_rows,
     resp_command,
     run_bench,
+    write_plot,
 )
 from services.redis_embedded import EmbeddedRedis
 
@@ -44,12 +48,28 @@ def test_report_pairs_each_service_row_with_its_ceilings() -> None:
     assert (row["pipe_ops_per_s"], row["pipe_ratio"]) == (20_000, 0.025)
 
 
-async def test_bench_runs_end_to_end() -> None:
-    config = BenchConfig(concurrency=(1, 2), seconds=0.2, warmup_s=0.05, pipe_commands=300)
+def test_the_markdown_compares_each_cluster_row_with_the_same_single_row(tmp_path: Path) -> None:
+    results = [
+        Measurement("GetFence", path, 16, ops, 1.0, 1.0, 2.0, backend=backend)
+        for backend, path, ops in [("single", "service", 500), ("single", "redis-direct", 1000),
+                                   ("cluster", "service", 400), ("cluster", "redis-direct", 1500)]
+    ]
+    assert [(r["backend"], r["ratio"]) for r in report_rows(results)] == [("single", 0.5), ("cluster", 0.267)]
+    text = render_markdown(results, "kvrelay bench policy", "2 CPUs")
+    assert "| cluster | GetFence | 16 | 400 |" in text and "| GetFence | 16 | 0.80 | 1.50 |" in text
+    assert write_plot(results, tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+async def test_bench_runs_end_to_end_on_one_redis_and_on_a_cluster() -> None:
+    # Warm-up long enough for a loaded host to open the first connections to every node.
+    config = BenchConfig(concurrency=(1, 2), seconds=1.0, warmup_s=0.5, pipe_commands=300,
+                         backends=("single", "cluster"))
     results = await run_bench(config)
-    paths = {(m.operation, m.path, m.clients) for m in results}
-    for operation in ("PublishState", "GetFence"):
-        assert {(operation, "service", 1), (operation, "service", 2), (operation, "redis-direct", 2),
-                (operation, "redis-cli-pipe", 1)} <= paths
+    paths = {(m.backend, m.operation, m.path, m.clients) for m in results}
+    for backend in ("single", "cluster"):
+        for operation in ("PublishState", "GetFence"):
+            assert {(backend, operation, "service", 1), (backend, operation, "service", 2),
+                    (backend, operation, "redis-direct", 2), (backend, operation, "redis-cli-pipe", 1)} <= paths
     assert all(m.ops > 0 and m.ops_per_s > 0 for m in results)
-    assert len(report_rows(results)) == 4
+    assert len(report_rows(results)) == 8

@@ -61,7 +61,7 @@ def workers(checkpoint: Path, redis_server: EmbeddedRedis, tmp_path_factory: pyt
     policy_address = f"127.0.0.1:{policy_port}"
 
     def process(role: str, port: int, *args: str) -> ServiceProcess:
-        return ServiceProcess(role, role, f"127.0.0.1:{port}", service_command(role, *args), logs / f"{role}.log")
+        return ServiceProcess(role, role, f"127.0.0.1:{port}", service_command(role, *args, "--plaintext"), logs / f"{role}.log")
 
     model = ("--checkpoint", str(checkpoint), "--host", "127.0.0.1")
     services = [

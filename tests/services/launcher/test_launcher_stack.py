@@ -23,6 +23,8 @@ def test_default_ports_are_the_documented_ones() -> None:
     assert config.decode_ports == (WorkerPorts(50063, 50064), WorkerPorts(50073, 50074))
     shifted = StackConfig.with_counts(Path("ckpt"), base_port=41000)
     assert (shifted.gateway_port, shifted.policy_port, shifted.prefill_ports) == (41000, 41010, (41011,))
+    assert (config.http_port, shifted.http_port) == (50052, 41001)  # the gateway's HTTP API
+    assert StackConfig.with_free_ports(Path("ckpt")).http_port == 0  # off unless asked for
 
 
 def test_free_ports_are_distinct() -> None:
@@ -52,6 +54,7 @@ def test_services_are_launched_with_consistent_flags(tmp_path: Path) -> None:
     assert argv[argv.index("--prefill-workers") + 1] == "127.0.0.1:50062"
     assert argv[argv.index("--decode-workers") + 1] == "127.0.0.1:50063,127.0.0.1:50073"
     assert argv[-2:] == ["--max-retries", "0"] and "--dtype" in argv
+    assert argv[argv.index("--http-port") + 1] == "50052"
     decode = list(stack._decode(1, config.decode_ports[1]).argv)
     assert decode[decode.index("--transfer-port") + 1] == "50074"
     assert decode[decode.index("--policy-address") + 1] == "127.0.0.1:50061"

@@ -89,7 +89,8 @@ def test_each_role_exposes_its_own_families_over_http() -> None:
     finally:
         endpoint.stop()
     names = {name for name, _ in samples}
-    assert {"kvrelay_decode_kv_reserved_bytes", "kvrelay_decode_requests_active", "process_cpu_seconds_total"} <= names
+    assert {"kvrelay_decode_kv_reserved_bytes", "kvrelay_decode_kv_allocated_bytes", "kvrelay_decode_requests_active",
+            "process_cpu_seconds_total"} <= names
     assert not any(name.startswith(("kvrelay_gateway_", "kvrelay_prefill_")) for name in names)
     assert sample(samples, "kvrelay_decode_requests_waiting") == 0
     assert set(ROLE_FAMILIES) == {"gateway", "policy", "prefill", "decode"}

@@ -37,6 +37,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TRANSFER_FAILED: _ClassVar[ErrorReason]
     ERROR_REASON_RECALL_TIMEOUT: _ClassVar[ErrorReason]
     ERROR_REASON_CAPACITY: _ClassVar[ErrorReason]
+    ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
+    ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
 PHASE_UNSPECIFIED: Phase
 PHASE_BEGUN: Phase
 PHASE_PREFILLED: Phase
@@ -59,6 +61,8 @@ ERROR_REASON_BACKEND_UNAVAILABLE: ErrorReason
 ERROR_REASON_TRANSFER_FAILED: ErrorReason
 ERROR_REASON_RECALL_TIMEOUT: ErrorReason
 ERROR_REASON_CAPACITY: ErrorReason
+ERROR_REASON_UNAUTHENTICATED: ErrorReason
+ERROR_REASON_PERMISSION_DENIED: ErrorReason
 
 class ManifestRef(_message.Message):
     __slots__ = ("sha256", "name", "policy_generation")
