@@ -67,8 +67,11 @@ class PrefillOutcome:
 
 
 def forward(model: LoadedModel, job: PrefillJob, chunk_size: int) -> PromptForward:
-    """Full prompt forward, capturing the observation window the manifest scores with."""
-    options = PrefillOptions(chunk_size=chunk_size, obs_window=observation_window(job.manifest))
+    """Full prompt forward, capturing the observation window the manifest scores with (its
+    vote only: the window's rows themselves are never held)."""
+    options = PrefillOptions(
+        chunk_size=chunk_size, obs_window=observation_window(job.manifest), keep_observation=False
+    )
     return forward_prompt(model.model, job.call.prompt_ids, job.call.sampling, options)
 
 

@@ -3,7 +3,11 @@ pack; `services.kvpolicy.compress`) on a synthetic prompt of a given shape, and 
 sampler's time per batch step, from one run.
 
 The prefill tensors are synthetic and deterministic: a softmax-like observation (non-negative,
-from one seeded generator), random K/V at the contract's dtype. Every stage is timed through
+from one seeded generator), random K/V at the contract's dtype. Compression reads what the
+prefill worker hands it: the observation's vote (`services.model.observation_vote`, the
+reduction the runtime runs on each layer as its rows are made), whose own time is reported
+beside the stages (read here from memory, where the runtime reads each layer's rows while
+they are fresh: an upper bound). Every stage is timed through
 `compress`'s own `observe` hook (what the prefill worker's spans wrap), in CPU time of the
 calling thread (torch runs on it alone at 1 thread), so time the thread spends descheduled on a
 shared machine is not counted; each figure is the median over `repeats` compressions of the
@@ -15,6 +19,7 @@ with `--baseline` (the JSON of an earlier run, `--json-out`), the before / after
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import statistics
 import time
@@ -27,6 +32,8 @@ import torch
 from services.benchmark.errors import InvalidBenchConfig
 from services.kvpolicy.compress import STAGES, StateIdentity, compress
 from services.kvpolicy.manifest import DType, TensorContract, default_manifests
+from services.kvpolicy.packing import PackedKVView
+from services.model import ObservationVote, observation_vote
 from services.model.sampler import SamplingParams, sample
 
 
@@ -69,8 +76,9 @@ class BenchConfig:
 class _Prefill:
     source_k: torch.Tensor  # [L, H_kv, T, d_h]
     source_v: torch.Tensor
-    observation: torch.Tensor  # [L, H_q, W, T] fp32
+    observation: torch.Tensor | None  # [L, H_q, W, T] fp32
     prompt_length: int
+    observation_vote: ObservationVote | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class StageTimes:
     ms: dict[str, float]
     retained_rows: int
     digest: str
+    view_digest: str  # of the gathered bytes: positions, offsets, K/V (format-independent)
 
     @property
     def total_ms(self) -> float:
@@ -110,7 +119,12 @@ def time_stages(config: BenchConfig) -> list[StageTimes]:
     unknown = [name for name in config.manifests if name not in manifests]
     if unknown:
         raise InvalidBenchConfig("manifest", f"{unknown} not among {sorted(manifests)}")
-    prefill = synthetic_prefill(config)
+    raw = synthetic_prefill(config)
+    observation = raw.observation
+    assert observation is not None
+    prefill = _Prefill(raw.source_k, raw.source_v, None, raw.prompt_length,
+                       observation_vote(observation))
+    del raw, observation
     out = []
     for name in config.manifests:
         samples: dict[str, list[float]] = {stage: [] for stage in STAGES}
@@ -125,8 +139,31 @@ def time_stages(config: BenchConfig) -> list[StageTimes]:
             identity = StateIdentity("bench", 1)
             compressed = compress(manifests[name], prefill, identity, observe=observe)
         ms = {stage: statistics.median(samples[stage]) for stage in STAGES}
-        out.append(StageTimes(name, ms, compressed.view.total_rows, compressed.receipt.digest))
+        view = compressed.view
+        out.append(StageTimes(name, ms, view.total_rows, compressed.receipt.digest,
+                              view_digest(view)))
     return out
+
+
+def view_digest(view: PackedKVView) -> str:
+    """SHA-256 of what a view holds: its position map, row offsets, packed K and V bytes (the
+    same for two runs that gathered the same rows, whatever their receipt format)."""
+    hasher = hashlib.sha256()
+    for tensor in (view.original_position_map, view.row_offsets, view.packed_k, view.packed_v):
+        hasher.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def time_vote(config: BenchConfig) -> float:
+    """Median ms of the runtime's reduction of the observation into its vote."""
+    observation = synthetic_prefill(config).observation
+    assert observation is not None
+    samples = []
+    for _ in range(config.repeats):
+        start = time.thread_time()
+        observation_vote(observation)
+        samples.append((time.thread_time() - start) * 1e3)
+    return statistics.median(samples)
 
 
 def time_sampler(config: BenchConfig) -> float:
@@ -149,7 +186,8 @@ def time_sampler(config: BenchConfig) -> float:
     return statistics.median(samples[1:])
 
 
-def render(config: BenchConfig, stages: list[StageTimes], sampler_ms: float, command: str) -> str:
+def render(config: BenchConfig, stages: list[StageTimes], sampler_ms: float, command: str,
+           vote_ms: float | None = None) -> str:
     shape = config.shape
     lines = [
         "# Compression stages and sampler (issue 17, item 4)",
@@ -167,6 +205,13 @@ def render(config: BenchConfig, stages: list[StageTimes], sampler_ms: float, com
         cells = " | ".join(f"{s.ms[stage]:.1f}" for stage in STAGES)
         tail = f"{s.total_ms:.1f} | {s.retained_rows} | `{s.digest[:16]}`"
         lines.append(f"| {s.manifest} | {cells} | {tail} |")
+    if vote_ms is not None:
+        lines += [
+            "",
+            f"Runtime vote (`observation_vote`, every layer's window rows reduced to the vote"
+            f" compression reads; in a prefill it runs on each layer's rows as they are made):"
+            f" {vote_ms:.1f} ms.",
+        ]
     lines += [
         "",
         f"Sampler: one `sample` call, batch {config.sampler_batch} (greedy, seeded temperature,"
@@ -179,7 +224,10 @@ def render(config: BenchConfig, stages: list[StageTimes], sampler_ms: float, com
 def to_json(stages: list[StageTimes], sampler_ms: float) -> dict[str, object]:
     """What `--json-out` writes and `--baseline` reads back."""
     return {
-        "stages": {s.manifest: {"ms": s.ms, "digest": s.digest} for s in stages},
+        "stages": {
+            s.manifest: {"ms": s.ms, "digest": s.digest, "view_digest": s.view_digest}
+            for s in stages
+        },
         "sampler_ms": sampler_ms,
     }
 
@@ -208,8 +256,12 @@ def render_baseline(stages: list[StageTimes], sampler_ms: float, baseline: dict[
             ratio = old_ms[stage] / new_ms[stage] if new_ms[stage] > 0 else float("nan")
             cells = f"{old_ms[stage]:.1f} | {new_ms[stage]:.1f} | {ratio:.1f}x"
             lines.append(f"| {s.manifest} | {stage} | {cells} |")
-        same = "the same" if old["digest"] == s.digest else "DIFFERENT"
-        lines.append(f"| {s.manifest} | receipt digest | | | {same} |")
+        if "view_digest" in old:  # format-independent: the gathered bytes themselves
+            same = "the same" if old["view_digest"] == s.view_digest else "DIFFERENT"
+            lines.append(f"| {s.manifest} | gathered view (positions, offsets, K, V) | | | {same} |")
+        else:
+            same = "the same" if old["digest"] == s.digest else "DIFFERENT"
+            lines.append(f"| {s.manifest} | receipt digest | | | {same} |")
     old_sampler = baseline.get("sampler_ms")
     if isinstance(old_sampler, int | float):
         lines.append(f"| sampler | one call | {old_sampler:.2f} | {sampler_ms:.2f} |"
@@ -230,8 +282,9 @@ def run(
     returns it."""
     torch.set_num_threads(config.threads)
     stages = time_stages(config)
+    vote_ms = time_vote(config)
     sampler_ms = time_sampler(config)
-    report = render(config, stages, sampler_ms, command)
+    report = render(config, stages, sampler_ms, command, vote_ms)
     if baseline is not None:
         try:
             data = json.loads(baseline.read_text())

@@ -48,7 +48,14 @@ from services.kvpolicy.head_profile import (
 )
 from services.kvpolicy.manifest import GQAReduction
 from services.kvpolicy.snapkv import reduce_gqa
-from services.model import InvalidModelInput, LoadedModel, PrefillOptions, load, prefill
+from services.model import (
+    InvalidModelInput,
+    LoadedModel,
+    PrefillOptions,
+    PrefillResult,
+    load,
+    prefill,
+)
 from services.model.tokenizer import TextTokenizer
 
 METHOD = "retrieval-top1"
@@ -127,7 +134,7 @@ def prompt_hits(
             "tokenizer", "the checkpoint's tokenizer does not speak the needle language"
         )
     result = prefill(loaded.model, ids, PrefillOptions(chunk_size=chunk_size, obs_window=1))
-    top = result.observation[:, :, -1, :].argmax(dim=-1)  # [L, H_q]
+    top = _observation(result)[:, :, -1, :].argmax(dim=-1)  # [L, H_q]
     return PromptHits(top == position, int(result.logits.argmax()) == code_id)
 
 
@@ -212,7 +219,7 @@ def ruler_prompt_hits(
     ids = [*prompt.ids, *forced[:-1]]
     options = PrefillOptions(chunk_size=chunk_size, obs_window=len(forced))
     result = prefill(loaded.model, ids, options)
-    top = result.observation.argmax(dim=-1)  # [L, H_q, W]: W = queries predicting `forced`
+    top = _observation(result).argmax(dim=-1)  # [L, H_q, W]: W = queries predicting `forced`
     targets = torch.arange(start, stop)  # [n] needle position of each value token
     hits = (top[:, :, 1:] == targets).float().mean(dim=-1)  # [L, H_q] share of value tokens
     return PromptHits(hits, int(result.logits.argmax()) == forced[-1])
@@ -316,3 +323,11 @@ def print_profile(console: Console, profile: HeadProfile, path: Path) -> None:
     console.print(
         f"headkv_profile_sha256 (owners = query heads, GQA expand): {profile.query_head_sha256}"
     )
+
+
+def _observation(result: PrefillResult) -> torch.Tensor:
+    """The window's rows themselves `[L, H_q, W, T]` (calibration reads each query's argmax,
+    so its prefills keep them: `PrefillOptions.keep_observation`, the default)."""
+    if result.observation is None:
+        raise InvalidModelInput("prefill.keep_observation", "calibration reads the window's rows")
+    return result.observation

@@ -88,8 +88,11 @@ def forward_for(
     sampling: SamplingParams = SamplingParams(),
     chunk_size: int = 512,
 ) -> PromptForward:
-    """The prompt forward the prefill worker runs for `manifest` (its observation window)."""
-    options = PrefillOptions(chunk_size=chunk_size, obs_window=observation_window(manifest))
+    """The prompt forward the prefill worker runs for `manifest` (its observation window,
+    whose vote alone is kept, as there)."""
+    options = PrefillOptions(
+        chunk_size=chunk_size, obs_window=observation_window(manifest), keep_observation=False
+    )
     return forward_prompt(loaded.model, [int(t) for t in prompt_ids], sampling, options)
 
 
@@ -186,7 +189,8 @@ def _check_forward(
             "shared_forward", f"covers {fwd.prompt_len} tokens, the prompt has {prompt_len}"
         )
     wanted = min(observation_window(manifest), prompt_len)
-    captured = int(fwd.result.observation.shape[2])
+    voted = fwd.result.observation_vote
+    captured = 0 if voted is None else voted.window
     if wanted and captured != wanted:
         raise InvalidModelInput(
             "shared_forward",

@@ -107,7 +107,7 @@ def kvpress_positions(model: Any, prompt_ids: Sequence[int], press: Any) -> Posi
         reference = _layer_keys(full.past_key_values, layer)[0]  # [H_kv, T, d_h]
         kept = _layer_keys(pressed.past_key_values, layer)[0]  # [H_kv, n_kept, d_h]
         grid.append(tuple(_match_rows(reference[h], kept[h]) for h in range(kept.shape[0])))
-    return tuple(grid)
+    return PositionGrid.of(grid)
 
 
 def overlap(kvrelay: PositionGrid, kvpress: PositionGrid) -> torch.Tensor:

@@ -66,7 +66,10 @@ class PrefillTensors(Protocol):
     def source_v(self) -> torch.Tensor: ...  # [L, H_kv, T, d_h]
 
     @property
-    def observation(self) -> torch.Tensor: ...  # [L, H_q, W_obs, T] fp32
+    def observation(self) -> torch.Tensor | None: ...  # [L, H_q, W_obs, T] fp32, if kept
+
+    # Also read, when the object has it: `observation_vote`, the runtime's per-layer reduction
+    # of the observation (`snapkv.WindowVote`), which scoring takes instead of the observation.
 
     @property
     def prompt_length(self) -> int: ...
@@ -116,7 +119,11 @@ def score(manifest: KVVisibilityPolicyManifest, prefill: PrefillTensors) -> torc
     """SnapKV owner scores `[L, H_owner, T - W_obs]`; None for static policies."""
     if not uses_scores(manifest):
         return None
-    return snapkv.score(manifest, prefill.observation, prefill.prompt_length)
+    voted = getattr(prefill, "observation_vote", None)
+    evidence = voted if voted is not None else prefill.observation
+    if evidence is None:
+        raise SelectionError("observation", "the prefill kept neither observation nor its vote")
+    return snapkv.score(manifest, evidence, prefill.prompt_length)
 
 
 def allocate(

@@ -7,7 +7,7 @@ counted rows and the counted workspace terms, here and nowhere else (the wire ca
 counts; `services.transfer.codec`).
 
 The transaction peak is the most the compression of one prompt holds at once: the source
-cache (the parent image) and the observation attention throughout, plus the largest of its
+cache (the parent image) and the observation's vote throughout, plus the largest of its
 stages in order — scoring, allocation, selection, compaction (source and packed view, the
 successor, together) and the offload hand-off. The workspace terms are formulas of the
 manifest and the prompt length (`services.kvpolicy.workspace`, which documents each).
@@ -18,11 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from services.kvpolicy.errors import PackingError
+import torch
+
+from services.kvpolicy.errors import PackingError, StateInvalid
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract
 from services.kvpolicy.packing import OFFSET_DTYPE, POSITION_DTYPE
+from services.kvpolicy.state import PositionGrid
 from services.kvpolicy.workspace import Workspace, transaction_workspace
 
+_GRID_INT_BYTES = 8  # PositionGrid's int64 positions and counts
 _POSITION_BYTES = POSITION_DTYPE.itemsize
 _OFFSET_BYTES = OFFSET_DTYPE.itemsize
 
@@ -45,15 +49,17 @@ class Ledger:
     Workspace of the compression transaction (bytes; `services.kvpolicy.workspace`; 0 in a
     ledger built without a manifest, `build_ledger`):
 
-    observation_bytes: the observation attention `[L, H_q, W, T]` fp32, 4 L H_q W T with
-        W = min(W_obs, T); 0 for static policies.
+    observation_bytes: the observation window's evidence the transaction holds, the runtime's
+        vote `[L, H_q, T - W]` fp32 and per-layer extremes, 4 L H_q (T - W) + 8 L with
+        W = min(W_obs, T) (the window's rows are not kept); 0 for static policies.
     score_bytes: SnapKV owner scores `[L, H_owner, T - W]` fp32, 4 L H_owner (T - W).
-    score_workspace_bytes: the most scoring holds at once besides the observation: the
-        input check (per-layer minima, the vote's maximum), the vote, the pooling buffers,
-        the GQA reduction.
+    score_workspace_bytes: the most scoring holds at once besides the vote: the divided
+        vote (`mean`), the pooling buffers, the GQA reduction.
     allocator_workspace_bytes: the allocator's tensors besides the scores (Ada-KV,
         ZigZagKV; 0 for the exact-fraction allocators and a prompt within capacity).
-    selection_workspace_bytes: the selector's NaN mask or one owner's k-th-value selection.
+    selection_workspace_bytes: the selector's tensors besides the scores: its NaN mask, or
+        one owner's k-th-value selection beside the positions chosen before it, or the
+        finished position grid beside its parts (`position_grid_bytes` is part of it).
     compaction_workspace_bytes: packing's int64 gather index and its view check,
         17 R + 16 L H_owner.
     """
@@ -112,6 +118,12 @@ class Ledger:
         return self.visible_rows * _POSITION_BYTES
 
     @property
+    def position_grid_bytes(self) -> int:
+        """The retained positions as the state holds them (`PositionGrid`: int64 positions
+        and int64 counts per owner), 8 R + 8 L H_owner, from selection on."""
+        return _GRID_INT_BYTES * (self.visible_rows + self.num_layers * self.num_owners)
+
+    @property
     def offsets_bytes(self) -> int:
         return self.num_layers * (self.num_owners + 1) * _OFFSET_BYTES
 
@@ -134,18 +146,22 @@ class Ledger:
     @property
     def transaction_phases(self) -> dict[str, int]:
         """Bytes held at the peak of each stage of the compression transaction, in order.
-        Source cache and observation attention are held throughout; the scores from scoring
-        until packing ends; the packed view (the successor) from compaction on.
+        Source cache and the observation's vote are held throughout; the scores from scoring
+        until packing ends; the position grid from selection on; the packed view (the
+        successor) from compaction on.
 
             score     S_src + O + score workspace
             allocate  S_src + O + scores + allocator workspace
-            select    S_src + O + scores + selection workspace
-            pack      S_src + O + scores + view (payload, position map, offsets)
+            select    S_src + O + scores + selection workspace (the grid included)
+            pack      S_src + O + scores + grid + view (payload, position map, offsets)
                       + compaction workspace
-            offload   S_src + O + view + page summaries + host-tier rows
+            offload   S_src + O + grid + view + page summaries + host-tier rows
         """
         held = self.source_payload_bytes + self.observation_bytes
-        view = self.visible_payload_bytes + self.position_map_bytes + self.offsets_bytes
+        view = (
+            self.visible_payload_bytes + self.position_map_bytes + self.offsets_bytes
+            + self.position_grid_bytes
+        )
         scored = held + self.score_bytes
         return {
             "score": held + self.score_workspace_bytes,
@@ -173,18 +189,16 @@ def build_ledger(
     """
     query_owners = owner_to_kv_head is not None
     num_owners = tensor.num_q_heads if query_owners else tensor.num_kv_heads
-    _check_grid(selected, tensor.num_layers, num_owners)
+    grid = _check_grid(selected, tensor.num_layers, num_owners)
     head_map = tensor.resolved_q_to_kv_head_map()
-    readers = [head_map.count(kv) for kv in range(tensor.num_kv_heads)]
-    visible = sum(len(owner) for layer in selected for owner in layer)
+    readers = torch.tensor([head_map.count(kv) for kv in range(tensor.num_kv_heads)])
+    visible = grid.total
     if owner_to_kv_head is not None:
-        unique = _unique_kv_rows(selected, owner_to_kv_head)
+        unique = _unique_kv_rows(grid, owner_to_kv_head)
         expanded = visible
     else:
         unique = visible
-        expanded = sum(
-            len(owner) * readers[h] for layer in selected for h, owner in enumerate(layer)
-        )
+        expanded = int((grid.counts * readers[None, :]).sum())
     return Ledger(
         bytes_per_row=tensor.bytes_per_row,
         num_layers=tensor.num_layers,
@@ -207,7 +221,8 @@ def ledger_for(
     transaction that compressed the prompt into `selected` (`transaction_workspace`)."""
     owner_map = manifest.expanded_owner_map
     ledger = build_ledger(manifest.tensor, prompt_len, selected, owner_map)
-    return with_workspace(ledger, transaction_workspace(manifest, prompt_len, selected))
+    counts = PositionGrid.of(selected).counts.reshape(-1).tolist()
+    return with_workspace(ledger, transaction_workspace(manifest, prompt_len, counts))
 
 
 def with_workspace(ledger: Ledger, workspace: Workspace) -> Ledger:
@@ -243,19 +258,23 @@ def decode_read_rows(prompt_len: int, decode_steps: int, row_bound: int | None =
 
 
 def _check_grid(
-    selected: Sequence[Sequence[Sequence[int]]], num_layers: int, num_owners: int
-) -> None:
-    if len(selected) != num_layers or any(len(layer) != num_owners for layer in selected):
+    selected: PositionGrid | Sequence[Sequence[Sequence[int]]], num_layers: int, num_owners: int
+) -> PositionGrid:
+    try:
+        grid = PositionGrid.of(selected)
+    except StateInvalid as error:
+        raise PackingError("selected", error.reason) from error
+    if (grid.num_layers, grid.num_owners) != (num_layers, num_owners):
         raise PackingError("selected", f"expected [{num_layers}][{num_owners}] owners")
+    return grid
 
 
-def _unique_kv_rows(
-    selected: Sequence[Sequence[Sequence[int]]], owner_to_kv_head: Sequence[int]
-) -> int:
+def _unique_kv_rows(grid: PositionGrid, owner_to_kv_head: Sequence[int]) -> int:
+    """Distinct (layer, K/V head, position) rows among query-head owners' positions."""
     total = 0
-    for layer in selected:
-        per_kv: dict[int, set[int]] = {}
-        for owner, positions in enumerate(layer):
-            per_kv.setdefault(owner_to_kv_head[owner], set()).update(positions)
-        total += sum(len(s) for s in per_kv.values())
+    for layer in range(grid.num_layers):
+        per_kv: dict[int, list[torch.Tensor]] = {}
+        for owner, kv_head in enumerate(owner_to_kv_head):
+            per_kv.setdefault(kv_head, []).append(grid.owner(layer, owner))
+        total += sum(int(torch.unique(torch.cat(rows)).numel()) for rows in per_kv.values())
     return total

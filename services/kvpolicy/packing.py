@@ -24,7 +24,7 @@ from functools import cached_property
 import torch
 
 from services.kvpolicy.errors import PackingError
-from services.kvpolicy.state import KVPolicyState
+from services.kvpolicy.state import KVPolicyState, PositionGrid
 
 # Metadata dtypes are part of the wire contract (and of the byte ledger): a view with
 # R_total rows carries 4 * R_total bytes of position map and 4 * L * (H+1) bytes of offsets.
@@ -114,10 +114,6 @@ class PackedKVView:
     def _offsets(self) -> list[list[int]]:
         return [[int(x) for x in row] for row in self.row_offsets.cpu().tolist()]
 
-    @cached_property
-    def _positions(self) -> list[int]:
-        return list(self.original_position_map.cpu().tolist())  # int32 -> Python ints
-
     def rows(self, layer: int, kv_head: int) -> slice:
         """Packed row range of one (layer, owner) segment."""
         if not 0 <= layer < self.num_layers:
@@ -131,12 +127,13 @@ class PackedKVView:
         """Original token positions of one segment, ascending.  # [R_lh] int32"""
         return self.original_position_map[self.rows(layer, kv_head)]
 
-    def selected_positions(self) -> list[list[list[int]]]:
-        """The retained original positions as nested lists `[L][H_owner][...]`."""
-        out: list[list[list[int]]] = []
-        for row in self._offsets:
-            out.append([self._positions[row[h] : row[h + 1]] for h in range(len(row) - 1)])
-        return out
+    def selected_positions(self) -> PositionGrid:
+        """The retained original positions `[L][H_owner]`, read from the position map and the
+        offsets as tensors (no Python ints)."""
+        offsets = self.row_offsets.cpu().long()  # [L, H + 1]
+        return PositionGrid(
+            self.original_position_map.cpu().long(), offsets[:, 1:] - offsets[:, :-1]
+        )
 
 
 def materialize(
@@ -161,7 +158,7 @@ def materialize(
 def pack(
     source_k: torch.Tensor,
     source_v: torch.Tensor,
-    selected: Selection,
+    selected: Selection | PositionGrid,
     owner_to_kv_head: Sequence[int] | None = None,
     *,
     origin: int = 0,
@@ -177,20 +174,16 @@ def pack(
     """
     num_layers, num_kv_heads, seq_len, _ = _check_sources(source_k, source_v)
     owners = _check_owner_map(owner_to_kv_head, selected, num_layers, num_kv_heads)
-    segments = [
-        selected[layer][owner] for layer in range(num_layers) for owner in range(len(owners))
-    ]
-    counts = [len(segment) for segment in segments]  # [L * H_owner]
-    positions = _segment_positions(segments, counts, origin, origin + seq_len, len(owners))
-    # Flat source row of every packed row: its segment's (layer, K/V head) base plus its
-    # position, filled segment by segment into one buffer (no per-row temporaries).
-    index = torch.empty_like(positions)  # [R_total]
-    start = 0
-    for number, count in enumerate(counts):
-        layer, owner = divmod(number, len(owners))
-        index[start : start + count] = (layer * num_kv_heads + owners[owner]) * seq_len - origin
-        start += count
-    index += positions
+    if isinstance(selected, PositionGrid):
+        counts = selected.counts.reshape(-1).tolist()  # [L * H_owner]
+        positions = _grid_positions(selected, counts, origin, origin + seq_len)
+    else:
+        segments = [
+            selected[layer][owner] for layer in range(num_layers) for owner in range(len(owners))
+        ]
+        counts = [len(segment) for segment in segments]
+        positions = _segment_positions(segments, counts, origin, origin + seq_len, len(owners))
+    index = _gather_index(positions, counts, owners, num_kv_heads, seq_len, origin)
     position_map = positions.to(POSITION_DTYPE)
     del positions  # only the index is held while the view is gathered and checked
     index = index.to(source_k.device)
@@ -203,6 +196,28 @@ def pack(
         original_position_map=position_map,
         row_offsets=torch.tensor(offsets, dtype=OFFSET_DTYPE),
     )
+
+
+def _gather_index(positions: torch.Tensor, counts: list[int], owners: list[int],
+                  num_kv_heads: int, seq_len: int, origin: int) -> torch.Tensor:
+    """The flat source row of every packed row `[R_total]` int64: its segment's (layer, K/V
+    head) base plus its position (one int64 buffer; the per-segment bases die here)."""
+    heads = torch.tensor(owners, dtype=torch.long)
+    layers = len(counts) // len(owners)
+    bases = (torch.arange(layers)[:, None] * num_kv_heads + heads[None, :]).reshape(-1)
+    index = torch.repeat_interleave(bases * seq_len - origin, torch.tensor(counts))
+    return index.add_(positions)
+
+
+def _grid_positions(grid: PositionGrid, counts: list[int], lo: int, hi: int) -> torch.Tensor:
+    """A grid's positions `[R_total]` int64, checked inside `[lo, hi)` and strictly ascending
+    in every segment on its tensors; the first segment that fails is named."""
+    if _ascending_inside(grid.flat, counts, lo, hi):
+        return grid.flat
+    for number, segment in enumerate(itertools.chain.from_iterable(grid.nested())):
+        layer, owner = divmod(number, grid.num_owners)
+        _check_positions(segment, lo, hi, f"selected[{layer}][{owner}]")
+    raise PackingError("selected", "positions are not strictly ascending inside the source")
 
 
 def _segment_positions(
@@ -307,7 +322,10 @@ def _check_sources(source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[int,
 
 
 def _check_owner_map(
-    owner_to_kv_head: Sequence[int] | None, selected: Selection, num_layers: int, num_kv_heads: int
+    owner_to_kv_head: Sequence[int] | None,
+    selected: Selection | PositionGrid,
+    num_layers: int,
+    num_kv_heads: int,
 ) -> list[int]:
     if len(selected) != num_layers:
         raise PackingError("selected", f"{len(selected)} layers, source has {num_layers}")
@@ -323,6 +341,12 @@ def _check_owner_map(
             )
     if not owners:
         raise PackingError("owner_to_kv_head", "no owners")
+    if isinstance(selected, PositionGrid):
+        if selected.num_owners != len(owners):
+            raise PackingError(
+                "selected[0]", f"{selected.num_owners} owners, expected {len(owners)}"
+            )
+        return owners
     for layer, per_layer in enumerate(selected):
         if len(per_layer) != len(owners):
             raise PackingError(

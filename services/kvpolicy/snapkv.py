@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,14 @@ def reduce_gqa(
     if reduction is GQAReduction.EXPAND:
         return scores
     num_kv_heads = max(q_to_kv_head_map) + 1
+    group = len(q_to_kv_head_map) // num_kv_heads
+    if list(q_to_kv_head_map) == [q // group for q in range(len(q_to_kv_head_map))]:
+        # Contiguous equal groups (every checkpoint's layout): a view, no gathered copy; the
+        # same sums, bit for bit, as the gathered groups below.
+        grouped = scores.view(*scores.shape[:1], num_kv_heads, group, *scores.shape[2:])
+        if reduction is GQAReduction.MEAN:
+            return grouped.sum(dim=2) / group
+        return grouped.amax(dim=2)
     groups = [[q for q, kv in enumerate(q_to_kv_head_map) if kv == h] for h in range(num_kv_heads)]
     if reduction is GQAReduction.MEAN:
         return torch.stack([scores[:, g].sum(dim=1) / len(g) for g in groups], dim=1)
@@ -116,9 +125,98 @@ def snapkv_scores(
     """
     attn = _stack_layers(obs_attn)  # [L, H_q, W, T]
     _check_obs_attn(attn, prompt_len, window, q_to_kv_head_map)
-    prefix = attn[..., : prompt_len - window]  # [L, H_q, W, T_p]
-    vote = prefix.sum(dim=2) if aggregation is ScoreAggregation.SUM else prefix.sum(dim=2) / window
+    vote = window_vote(attn, prompt_len - window)  # [L, H_q, T_p]
     _check_votes(attn, vote, prompt_len, window)
+    return vote_scores(
+        vote, window, pooling, kernel, aggregation, gqa_reduction, q_to_kv_head_map, gqa_order
+    )
+
+
+def window_vote(attn: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """The sum over the window queries of their probabilities on the prefix keys: observation
+    `[..., W, T]` -> `[..., T_p]`. The one definition of the vote: the model runtime reduces
+    each layer with it as soon as the layer's probabilities exist (`ObservationVote`), and
+    summing one layer or all layers at once gives the same bits."""
+    return attn[..., :prefix_len].sum(dim=-2)
+
+
+class WindowVote(Protocol):
+    """What the model runtime hands over instead of the observation (`ObservationVote` in
+    `services.model.runtime`): the vote `[L, H_q, T - W]` fp32 of the W window queries, and
+    the smallest and largest probability of each layer's observation `[L]` fp32."""
+
+    @property
+    def window(self) -> int: ...
+
+    @property
+    def vote(self) -> torch.Tensor: ...
+
+    @property
+    def minimum(self) -> torch.Tensor: ...
+
+    @property
+    def maximum(self) -> torch.Tensor: ...
+
+
+def voted_scores(
+    voted: WindowVote,
+    prompt_len: int,
+    pooling: Pooling,
+    kernel: int,
+    aggregation: ScoreAggregation,
+    gqa_reduction: GQAReduction,
+    q_to_kv_head_map: Sequence[int],
+    gqa_order: GQAOrder = GQAOrder.POOL_THEN_REDUCE,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`snapkv_scores` from the runtime's vote: the same scores, bit for bit, without reading
+    the observation again (400 MB at 16K tokens x 24 layers x 16 query heads, W 16). The
+    input check is the one `snapkv_scores` makes, on the per-layer extremes: a NaN or
+    negative probability is a negative or NaN minimum, an infinite one an infinite maximum;
+    a vote that overflows from finite probabilities passes, as there."""
+    vote = voted.vote
+    expected_window = voted.window if window is None else window
+    if voted.window != expected_window or expected_window < 1:
+        raise SelectionError(
+            "observation_vote.window",
+            f"{voted.window}, the manifest scores with {expected_window}",
+        )
+    layers = int(vote.shape[0]) if vote.dim() == 3 else -1
+    expected = (len(q_to_kv_head_map), prompt_len - voted.window)
+    if vote.dim() != 3 or tuple(int(x) for x in vote.shape[1:]) != expected:
+        raise SelectionError(
+            "observation_vote.vote",
+            f"expected [L, {expected[0]}, {expected[1]}], got {tuple(vote.shape)}",
+        )
+    _check_head_map(q_to_kv_head_map, len(q_to_kv_head_map), None)
+    if tuple(voted.minimum.shape) != (layers,) or tuple(voted.maximum.shape) != (layers,):
+        raise SelectionError("observation_vote.minimum", f"expected [{layers}] per-layer extremes")
+    sound = (voted.minimum >= 0) & torch.isfinite(voted.maximum)  # NaN fails both comparisons
+    if not bool(sound.all()):
+        layer = int((~sound).nonzero()[0])
+        raise SelectionError(
+            "obs_attn", f"layer {layer}: probabilities must be finite and non-negative"
+        )
+    return vote_scores(
+        vote, voted.window, pooling, kernel, aggregation, gqa_reduction, q_to_kv_head_map,
+        gqa_order,
+    )
+
+
+def vote_scores(
+    vote: torch.Tensor,
+    window: int,
+    pooling: Pooling,
+    kernel: int,
+    aggregation: ScoreAggregation,
+    gqa_reduction: GQAReduction,
+    q_to_kv_head_map: Sequence[int],
+    gqa_order: GQAOrder = GQAOrder.POOL_THEN_REDUCE,
+) -> torch.Tensor:
+    """Owner scores `[L, H_owner, T_p]` from the window vote `[L, H_q, T_p]`: the aggregation
+    (`mean` divides by W), pooling and the GQA reduction in the manifest's order."""
+    if aggregation is ScoreAggregation.MEAN:
+        vote = vote / window
     if gqa_order is GQAOrder.REDUCE_THEN_POOL:
         owner_vote = reduce_gqa(vote, q_to_kv_head_map, gqa_reduction)  # [L, H_owner, T_p]
         return pool_scores(owner_vote, pooling, kernel)
@@ -179,45 +277,62 @@ def select_snapkv(
     prefix_len = prompt_len - min(window, prompt_len)
     _check_scores(scores, budgets, prefix_len)
     first = min(sinks, prefix_len)
-    protected_head = tuple(range(first))
-    suffix = tuple(range(prefix_len, prompt_len))
-    everything = tuple(range(prompt_len))
+    protected_head = torch.arange(first)
+    suffix = torch.arange(prefix_len, prompt_len)
     candidates = prefix_len - first
-    out = []
+    everything = torch.arange(prompt_len) if _any_keeps_all(budgets, candidates) else None
+    segments: list[torch.Tensor] = []
     for layer in range(int(scores.shape[0])):
-        row = []
         for owner, budget in enumerate(budgets[layer]):
-            if budget >= candidates:  # the whole prompt, without selection
-                row.append(everything)
+            if everything is not None and budget >= candidates:  # the whole prompt
+                segments.append(everything)
                 continue
             chosen = _chosen_positions(scores[layer, owner, first:], budget, first, tie_rule)
-            row.append(protected_head + tuple(chosen) + suffix)
-        out.append(tuple(row))
-    return tuple(out)
+            segments += (protected_head, chosen, suffix)
+    counts = [prompt_len if b >= candidates else first + b + prompt_len - prefix_len
+              for layer_budgets in budgets for b in layer_budgets]
+    shape = (int(scores.shape[0]), int(scores.shape[1]))
+    return PositionGrid(torch.cat(segments), torch.tensor(counts, dtype=torch.long).view(shape))
+
+
+def _any_keeps_all(budgets: Sequence[Sequence[int]], candidates: int) -> bool:
+    return any(budget >= candidates for layer in budgets for budget in layer)
 
 
 def _chosen_positions(
     candidates: torch.Tensor, budget: int, first: int, tie_rule: TieRule
-) -> list[int]:
+) -> torch.Tensor:
     """The top-`budget` of one owner's candidates `[T_c]` (0 <= budget < T_c) as prompt
-    positions (candidate i is position first + i), ascending. Its own function so that one
-    owner's tensors are freed before the next owner's selection allocates."""
+    positions (candidate i is position first + i), ascending, `[budget]` int64. Its own
+    function so that one owner's temporaries are freed before the next owner's selection."""
     if budget == 0:
-        return []
-    kept = top_k_mask(candidates, budget, tie_rule).nonzero().flatten()  # [budget] int64
-    return kept.add_(first).tolist()
+        return torch.zeros(0, dtype=torch.long)
+    return top_k_mask(candidates, budget, tie_rule).nonzero().flatten().add_(first)
 
 
 def score(
     manifest: KVVisibilityPolicyManifest,
-    obs_attn: torch.Tensor | Sequence[torch.Tensor],
+    obs_attn: torch.Tensor | Sequence[torch.Tensor] | WindowVote,
     prompt_len: int,
 ) -> torch.Tensor:
-    """`snapkv_scores` with the manifest's parameters. `[L, H_owner, T_p]`
+    """`snapkv_scores` (or `voted_scores`, given the runtime's vote) with the manifest's
+    parameters. `[L, H_owner, T_p]`
 
     For a prompt shorter than W_obs the window is the whole prompt and there is no prefix.
     """
     params = _snapkv_params(manifest)
+    if not isinstance(obs_attn, torch.Tensor | Sequence):  # the runtime's vote
+        return voted_scores(
+            obs_attn,
+            prompt_len,
+            params.pooling,
+            params.pooling_kernel,
+            params.aggregation,
+            params.gqa_reduction,
+            manifest.tensor.resolved_q_to_kv_head_map(),
+            params.gqa_order,
+            window=min(params.observation_window, prompt_len),
+        )
     return snapkv_scores(
         obs_attn,
         prompt_len,

@@ -8,16 +8,174 @@ exclusive committed frontier (number of committed tokens).
 
 from __future__ import annotations
 
+import array
 import bisect
+import hashlib
+import itertools
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, overload
+
+import torch
 
 from services.kvpolicy.errors import StateInvalid
 
-PositionGrid = tuple[tuple[tuple[int, ...], ...], ...]  # [L][H_owner] -> ascending positions
+NestedPositions = tuple[tuple[tuple[int, ...], ...], ...]  # [L][H_owner] -> ascending positions
 BudgetGrid = tuple[tuple[int, ...], ...]  # [L][H_owner]
+
+
+class PositionGrid(Sequence[tuple[tuple[int, ...], ...]]):
+    """The retained positions of every (layer, owner), `[L][H_owner] -> ascending positions`,
+    held as tensors: `flat` int64 `[R]` (every owner's positions back to back, layer-major)
+    and `counts` int64 `[L, H_owner]`. Immutable (both tensors are private copies, never
+    handed out writable). It reads as the nested tuples it stands for (`grid[l][h]`, `len`,
+    iteration, equality with nested sequences), built once on first such use; the hot paths
+    (selection, packing, receipts, state checks) use the tensors and never build Python ints.
+
+    `PositionGrid.of(...)` takes a grid, nested sequences of ints (checked to be ints, naming
+    the first that is not) or `(flat, counts)` tensors; `KVPolicyState` checks the values."""
+
+    __slots__ = ("_flat", "_counts", "_nested", "_offsets")
+
+    def __init__(self, flat: torch.Tensor, counts: torch.Tensor) -> None:
+        if flat.dim() != 1 or counts.dim() != 2:
+            raise StateInvalid("selected_positions", "expected flat [R] and counts [L, H] tensors")
+        if flat.dtype != torch.long or counts.dtype != torch.long:
+            raise StateInvalid("selected_positions", "flat and counts must be int64 tensors")
+        if bool((counts < 0).any()) or int(counts.sum()) != int(flat.shape[0]):
+            raise StateInvalid("selected_positions", "counts do not partition the positions")
+        self._flat = flat.detach().cpu().contiguous()
+        self._counts = counts.detach().cpu().contiguous()
+        self._nested: NestedPositions | None = None
+        self._offsets: list[int] | None = None
+
+    @classmethod
+    def of(cls, grid: Any, path: str = "selected_positions") -> PositionGrid:
+        if isinstance(grid, PositionGrid):
+            return grid
+        if isinstance(grid, str | bytes):
+            raise StateInvalid(path, "expected [L][H_owner] sequences of ints")
+        nested = tuple(
+            tuple(_freeze_ints(owner, f"{path}[{layer}][{h}]") for h, owner in enumerate(owners))
+            for layer, owners in enumerate(grid)
+        )
+        if not nested or not nested[0]:
+            raise StateInvalid(path, "needs at least one layer and one owner")
+        for layer, owners in enumerate(nested):
+            if len(owners) != len(nested[0]):
+                raise StateInvalid(
+                    f"{path}[{layer}]", f"{len(owners)} owners, layer 0 has {len(nested[0])}"
+                )
+        counts = torch.tensor([[len(o) for o in owners] for owners in nested], dtype=torch.long)
+        flat = _int64_tensor(list(itertools.chain.from_iterable(itertools.chain(*nested))), path)
+        made = cls(flat, counts)
+        made._nested = nested
+        return made
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """Every owner's positions back to back `[R]` int64 (a read-only view: do not write)."""
+        return self._flat
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Positions per owner `[L, H_owner]` int64."""
+        return self._counts
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._counts.shape[0])
+
+    @property
+    def num_owners(self) -> int:
+        return int(self._counts.shape[1])
+
+    @property
+    def total(self) -> int:
+        return int(self._flat.shape[0])
+
+    def owner(self, layer: int, owner: int) -> torch.Tensor:
+        """One owner's positions `[n]` int64 (a view of `flat`)."""
+        offsets = self.offsets()
+        at = layer * self.num_owners + owner
+        return self._flat[offsets[at] : offsets[at + 1]]
+
+    def offsets(self) -> list[int]:
+        """Start of every owner's positions in `flat`, `[L * H_owner + 1]`."""
+        if self._offsets is None:
+            self._offsets = [0, *itertools.accumulate(self._counts.reshape(-1).tolist())]
+        return self._offsets
+
+    def nested(self) -> NestedPositions:
+        """The nested tuples `[L][H_owner] -> positions` (built once)."""
+        if self._nested is None:
+            values = self._flat.tolist()
+            offsets = self.offsets()
+            width = self.num_owners
+            self._nested = tuple(
+                tuple(
+                    tuple(values[offsets[layer * width + h] : offsets[layer * width + h + 1]])
+                    for h in range(width)
+                )
+                for layer in range(self.num_layers)
+            )
+        return self._nested
+
+    def digest(self) -> str:
+        """SHA-256 hex of the grid's canonical bytes: counts then positions, int64 little
+        endian (what a receipt binds instead of the positions' text)."""
+        hasher = hashlib.sha256()
+        hasher.update(_le_bytes(self._counts))
+        hasher.update(_le_bytes(self._flat))
+        return hasher.hexdigest()
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[tuple[int, ...], ...]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> NestedPositions: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.nested()[index]
+
+    def __iter__(self) -> Iterator[tuple[tuple[int, ...], ...]]:
+        return iter(self.nested())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PositionGrid):
+            return torch.equal(self._counts, other._counts) and torch.equal(self._flat, other._flat)
+        if isinstance(other, tuple | list):
+            try:
+                return self.nested() == tuple(tuple(tuple(o) for o in owners) for owners in other)
+            except TypeError:
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def __repr__(self) -> str:
+        return f"PositionGrid({self.num_layers}x{self.num_owners}, {self.total} positions)"
+
+
+def _le_bytes(tensor: torch.Tensor) -> bytes:
+    values = tensor.reshape(-1).numpy()
+    return values.astype("<i8", copy=False).tobytes()
+
+
+def _int64_tensor(flat: list[int], path: str) -> torch.Tensor:
+    """`flat` as int64 `[n]` through a C array (twice as fast as torch.tensor on a list)."""
+    if not flat:
+        return torch.zeros(0, dtype=torch.long)
+    try:
+        return torch.frombuffer(array.array("q", flat), dtype=torch.long)
+    except OverflowError as error:
+        raise StateInvalid(path, "a position does not fit in int64") from error
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -30,7 +188,8 @@ class KVPolicyState:
     retain (protected rows included): the compression core always gives it (the owner's row
     capacity, `services.kvpolicy.compress.owner_capacities`), and a receipt of a view binds
     it. Protected positions that lie inside the frontier must be retained by every owner.
-    Lists are accepted and frozen into tuples.
+    Nested sequences of ints are accepted and frozen into a `PositionGrid`; every check runs
+    on its tensors (the message of a failing one names the first (layer, owner) that fails).
     """
 
     request_id: str
@@ -47,7 +206,7 @@ class KVPolicyState:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "selected_positions", _freeze_grid(self.selected_positions, "selected_positions")
+            self, "selected_positions", PositionGrid.of(self.selected_positions)
         )
         object.__setattr__(
             self,
@@ -61,15 +220,15 @@ class KVPolicyState:
 
     @property
     def num_layers(self) -> int:
-        return len(self.selected_positions)
+        return self.selected_positions.num_layers
 
     @property
     def num_owners(self) -> int:
-        return len(self.selected_positions[0])
+        return self.selected_positions.num_owners
 
     @property
     def retained_rows(self) -> int:
-        return sum(len(owner) for layer in self.selected_positions for owner in layer)
+        return self.selected_positions.total
 
     @property
     def end(self) -> int:
@@ -79,7 +238,7 @@ class KVPolicyState:
     def successor(
         self,
         *,
-        selected_positions: Sequence[Sequence[Sequence[int]]],
+        selected_positions: PositionGrid | Sequence[Sequence[Sequence[int]]],
         frontier: int,
         cache_generation: int,
         protected_positions: Sequence[int] | None = None,
@@ -102,7 +261,7 @@ class KVPolicyState:
             parent_state_generation=self.state_generation,
             cache_generation=cache_generation,
             frontier=frontier,
-            selected_positions=_freeze_grid(selected_positions, "selected_positions"),
+            selected_positions=PositionGrid.of(selected_positions),
             protected_positions=_freeze_ints(protected, "protected_positions"),
             owner_budgets=None if owner_budgets is None else _freeze_budgets(owner_budgets),
         )
@@ -130,18 +289,18 @@ class KVPolicyState:
 
     def _check_positions(self) -> None:
         grid = self.selected_positions
-        if not grid or not grid[0]:
+        if grid.num_layers == 0 or grid.num_owners == 0:
             raise StateInvalid("selected_positions", "needs at least one layer and one owner")
-        for layer, owners in enumerate(grid):
-            if len(owners) != len(grid[0]):
-                raise StateInvalid(
-                    f"selected_positions[{layer}]",
-                    f"{len(owners)} owners, layer 0 has {len(grid[0])}",
-                )
         _check_ascending(
             self.protected_positions, "protected_positions", self.position_origin, None
         )
         inside = [p for p in self.protected_positions if p < self.end]
+        if not _grid_sound(grid, self.position_origin, self.end, inside):
+            self._name_unsound(grid, inside)
+        self._check_budgets()
+
+    def _name_unsound(self, grid: PositionGrid, inside: list[int]) -> None:
+        """The first (layer, owner) whose positions fail, and how (the slow way, once)."""
         for layer, owners in enumerate(grid):
             for owner, positions in enumerate(owners):
                 path = f"selected_positions[{layer}][{owner}]"
@@ -151,7 +310,6 @@ class KVPolicyState:
                     raise StateInvalid(
                         path, f"protected_positions {missing} inside the frontier are not retained"
                     )
-        self._check_budgets()
 
     def _check_budgets(self) -> None:
         if self.owner_budgets is None:
@@ -171,19 +329,49 @@ class KVPolicyState:
 
 def budgets_match_shape(budgets: BudgetGrid, grid: PositionGrid) -> bool:
     """Whether `budgets` has one entry per (layer, owner) of `grid`."""
-    return len(budgets) == len(grid) and all(
-        len(b) == len(g) for b, g in zip(budgets, grid, strict=True)
-    )
+    return len(budgets) == grid.num_layers and all(len(b) == grid.num_owners for b in budgets)
 
 
 def first_over_budget(grid: PositionGrid, budgets: BudgetGrid) -> tuple[int, int] | None:
     """The first (layer, owner) retaining more positions than its budget, or None. The one
     budget rule: the state, the receipt and the decode worker's recomputation all apply it."""
-    for layer, (layer_budgets, owners) in enumerate(zip(budgets, grid, strict=True)):
-        for owner, (budget, positions) in enumerate(zip(layer_budgets, owners, strict=True)):
-            if len(positions) > budget:
-                return layer, owner
-    return None
+    over = (grid.counts > torch.tensor(budgets, dtype=torch.long)).reshape(-1).nonzero()
+    if over.numel() == 0:
+        return None
+    layer, owner = divmod(int(over[0]), grid.num_owners)
+    return layer, owner
+
+
+def _grid_sound(grid: PositionGrid, lo: int, hi: int, protected: Sequence[int]) -> bool:
+    """Whether every owner's positions rise strictly inside `[lo, hi)` and include every
+    `protected` position, checked on the grid's tensors at once."""
+    if grid.total == 0:
+        return not protected
+    return _ascending_inside(grid, lo, hi) and (not protected or _retains(grid, hi, protected))
+
+
+def _ascending_inside(grid: PositionGrid, lo: int, hi: int) -> bool:
+    flat = grid.flat
+    if int(flat.min()) < lo or int(flat.max()) >= hi:
+        return False
+    steps = flat[1:] > flat[:-1]  # [R - 1] bool
+    restarts = [s - 1 for s in grid.offsets()[1:-1] if 0 < s < grid.total]
+    if restarts:
+        steps[torch.tensor(restarts, dtype=torch.long)] = True  # a segment restarts anywhere
+    return bool(steps.all())
+
+
+def _retains(grid: PositionGrid, hi: int, protected: Sequence[int]) -> bool:
+    """Whether every owner retains every `protected` position (its positions ascending inside
+    `[0, hi)`). Each (owner, position) pair is a key `owner * (hi + 1) + position`: the keys of
+    the retained positions are globally ascending, so one searchsorted finds them all."""
+    span = hi + 1
+    segments = torch.arange(grid.num_layers * grid.num_owners, dtype=torch.long) * span  # [S]
+    keys = torch.repeat_interleave(segments, grid.counts.reshape(-1))  # [R]
+    keys += grid.flat
+    wanted = segments[:, None] + torch.tensor(protected, dtype=torch.long)[None, :]  # [S, P]
+    at = torch.searchsorted(keys, wanted).clamp_(max=grid.total - 1)
+    return bool(torch.equal(keys[at], wanted))
 
 
 def _missing(required: Sequence[int], positions: tuple[int, ...]) -> list[int]:
@@ -227,13 +415,6 @@ def _freeze_ints(values: Sequence[int], path: str) -> tuple[int, ...]:
         if isinstance(v, bool) or not isinstance(v, int):
             raise StateInvalid(path, f"{v!r} is not an int")
     return out
-
-
-def _freeze_grid(grid: Sequence[Sequence[Sequence[int]]], path: str) -> PositionGrid:
-    return tuple(
-        tuple(_freeze_ints(owner, f"{path}[{layer}][{h}]") for h, owner in enumerate(owners))
-        for layer, owners in enumerate(grid)
-    )
 
 
 def _freeze_budgets(budgets: Sequence[Sequence[int]]) -> BudgetGrid:

@@ -7,6 +7,8 @@ the two ranges overlap (frontier < sinks + window) it keeps every position, neve
 
 from __future__ import annotations
 
+import torch
+
 from services.kvpolicy.errors import SelectionError
 from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
@@ -60,11 +62,10 @@ def static_selection(
     manifest: KVVisibilityPolicyManifest, frontier: int, origin: int = 0
 ) -> PositionGrid:
     """The same static position set for every (layer, owner): `[L][H_owner]`."""
-    positions = static_positions(manifest.selection, frontier, origin)
-    return tuple(
-        tuple(positions for _ in range(manifest.num_owners))
-        for _ in range(manifest.tensor.num_layers)
-    )
+    positions = torch.tensor(static_positions(manifest.selection, frontier, origin))
+    segments = manifest.tensor.num_layers * manifest.num_owners
+    counts = torch.full((manifest.tensor.num_layers, manifest.num_owners), positions.numel())
+    return PositionGrid(positions.long().repeat(segments), counts)
 
 
 def static_protected_positions(

@@ -6,7 +6,8 @@ layer (H_kv, or H_q under GQA `expand`), W = min(W_obs, T) observation rows (0 f
 policies, which capture none), T_p = T - W prefix rows, T_c = T_p - min(sinks, T_p) candidate
 rows per owner, R retained rows. fp32 is 4 bytes, int64 8, bool 1.
 
-    observation   4 L H_q W T              the window's attention `[L, H_q, W, T]` fp32
+    observation   4 L H_q T_p + 8 L        the runtime's vote of the window `[L, H_q, T_p]` fp32
+                                           and per-layer extremes (its rows are not kept)
     scores        4 L H_o T_p              SnapKV owner scores `[L, H_owner, T_p]` fp32
     scoring       max of its steps, besides the observation (`score_workspace_bytes`)
     allocation    the allocator's tensors besides the scores (`allocator_workspace_bytes`)
@@ -75,60 +76,70 @@ class _Shape:
 
 
 def transaction_workspace(
-    manifest: KVVisibilityPolicyManifest,
-    prompt_len: int,
-    selected: Sequence[Sequence[Sequence[int]]],
+    manifest: KVVisibilityPolicyManifest, prompt_len: int, counts: Sequence[int]
 ) -> Workspace:
     """Every workspace term of compressing a prompt of `prompt_len` tokens under `manifest`
-    into the selection `selected[l][h]`."""
+    into a selection retaining `counts` positions per (layer, owner), layer-major."""
     compaction = compaction_workspace_bytes(
-        manifest.tensor.num_layers, manifest.num_owners, _rows(selected)
+        manifest.tensor.num_layers, manifest.num_owners, sum(counts)
     )
     params = manifest.selection.snapkv
     if manifest.selection.method is not SelectionMethod.SNAPKV or params is None:
-        return Workspace(compaction_workspace_bytes=compaction)
+        return Workspace(
+            selection_workspace_bytes=_static_selection_bytes(counts),
+            compaction_workspace_bytes=compaction,
+        )
     shape = _shape(manifest, params, prompt_len)
     return Workspace(
-        observation_bytes=_FP32 * shape.layers * shape.q_heads * shape.window * shape.prompt,
+        observation_bytes=observation_vote_bytes(shape.layers, shape.q_heads, shape.prefix),
         score_bytes=_score_bytes(shape),
         score_workspace_bytes=_score_workspace_bytes(
             params, shape, manifest.tensor.resolved_q_to_kv_head_map()
         ),
         allocator_workspace_bytes=_allocator_workspace_bytes(manifest, shape),
-        selection_workspace_bytes=_selection_workspace_bytes(manifest, shape, selected),
+        selection_workspace_bytes=_selection_workspace_bytes(manifest, shape, counts),
         compaction_workspace_bytes=compaction,
     )
 
 
 def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequence[int]) -> int:
-    """The most bytes scoring holds at once besides the observation; the largest of its steps
-    (`snapkv.snapkv_scores`), with V = 4 L H_q T_p (one vote tensor):
+    """The most bytes scoring holds at once besides its input, the runtime's vote
+    (`snapkv.voted_scores`; V = 4 L H_q T_p is the vote's size):
 
-    - input check: one minimum per layer (4 L, compared into L bools and reduced to one), and
-      the maximum of the vote beside the vote (V + 4; `snapkv._check_obs_attn`);
-    - vote: V, twice while `mean` divides the window sum;
-    - pooling (kernel k > 1): the vote, the padded vote 4 L H_q (T_p + 2 floor(k/2)) and the
-      pooled output, plus avg's window sum before it divides: 2V + pad (max), 3V + pad (avg);
-    - GQA reduction (`mean`/`max`): vote and pooled vote, each group's gathered rows
-      4 L G T_p with its reduced rows, the rows of the groups before, and then the stacked
-      scores beside the per-group rows (2 * 4 L H_kv T_p); `expand` allocates nothing new.
+    - `mean` divides the vote: a copy V, held until scoring ends;
+    - pooling (kernel k > 1) of the (divided) vote: the padded vote 4 L H_q (T_p + 2
+      floor(k/2)) and the pooled output V, plus avg's window sum before it divides (its
+      input counts only when it is the divided copy);
+    - GQA reduction (`mean`/`max`) of the pooled vote, held beside the reduction's own rows
+      (`_group_reduction_peak`); `expand` allocates nothing new.
 
-    Under `gqa_order: reduce_then_pool` the reduction runs on the vote (vote + the group
-    buffers), then pooling runs on the owner votes `[L, H_owner, T_p]` while the vote is
-    still held.
-    """
+    Under `gqa_order: reduce_then_pool` the reduction runs on the (divided) vote, then
+    pooling runs on the owner votes `[L, H_owner, T_p]`. The input check compares L minima
+    and maxima (a few bytes)."""
     vote = _FP32 * shape.layers * shape.q_heads * shape.prefix
-    check = max((_FP32 + _BOOL) * shape.layers + _BOOL, vote + _FP32)
-    voting = 2 * vote if params.aggregation is ScoreAggregation.MEAN else vote
+    divided = vote if params.aggregation is ScoreAggregation.MEAN else 0
     reduces = params.gqa_reduction is not GQAReduction.EXPAND
-    groups = _group_reduction_peak(head_map, _FP32 * shape.layers * shape.prefix) if reduces else 0
+    groups = (
+        _group_reduction_peak(head_map, _FP32 * shape.layers * shape.prefix, params.gqa_reduction)
+        if reduces else 0
+    )
     if params.gqa_order is GQAOrder.REDUCE_THEN_POOL:
-        # the vote stays held while its owner reduction is pooled
         pooling = _pooling_peak(params, shape, shape.owners)
-        return max(check, voting, vote + groups, (vote if reduces else 0) + pooling)
+        if not reduces and not divided and pooling:  # pooling reads the input vote itself
+            pooling -= vote
+        return max(divided + groups, divided + pooling)
     pooling = _pooling_peak(params, shape, shape.q_heads)
-    held = 2 * vote if pooling else vote  # the vote, and the pooled vote when it is another
-    return max(check, voting, pooling, held + groups)
+    if pooling and not divided:
+        pooling -= vote  # the input vote is not workspace
+    pooled = vote if pooling else 0  # the pooled vote, held while it is reduced
+    return max(divided + pooling, divided + pooled + groups)
+
+
+def observation_vote_bytes(layers: int, q_heads: int, prefix: int) -> int:
+    """What the transaction holds of the observation window: the runtime's vote
+    `[L, H_q, T_p]` fp32 and each layer's smallest and largest probability (`ObservationVote`;
+    the window's rows themselves are not kept)."""
+    return _FP32 * layers * q_heads * prefix + 2 * _FP32 * layers
 
 
 def _pooling_peak(params: SnapKVParams, shape: _Shape, heads: int) -> int:
@@ -170,23 +181,42 @@ def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Sha
 
 
 def _selection_workspace_bytes(
-    manifest: KVVisibilityPolicyManifest,
-    shape: _Shape,
-    selected: Sequence[Sequence[Sequence[int]]],
+    manifest: KVVisibilityPolicyManifest, shape: _Shape, counts: Sequence[int]
 ) -> int:
-    """The selector's tensors besides the scores (`snapkv.select_snapkv`): the NaN check's
-    mask (L H_o T_p bool), or one owner's k-th-value selection over its T_c candidates
-    (12 T_c + 12, `snapkv.top_k_mask`; what follows it — two masks, the int32 tie ranks and
-    two more masks, then the kept indices — is smaller), whichever is larger. Only an owner
-    that keeps some but not all of its candidates selects; the tie rule changes nothing."""
+    """The selector's tensors besides the scores (`snapkv.select_snapkv`), whichever step
+    holds most, with A = 8 (min(sinks, T_p) + W) for the protected positions (int64), E = 8 T
+    when an owner keeps the whole prompt (one shared int64 range), and C_i = 8 b_i the
+    chosen positions of the owners that select before owner i:
+
+    - the NaN check's mask, L H_o T_p bool;
+    - owner i's k-th-value selection over its T_c candidates (12 T_c + 12,
+      `snapkv.top_k_mask`; what follows it — masks, int32 tie ranks, the kept indices — is
+      smaller) beside A + E + C_i;
+    - the finished grid (`PositionGrid`: 8 R int64 positions, 8 L H_o counts) beside its
+      parts, A + E + 8 sum(b_i).
+
+    Only an owner that keeps some but not all of its candidates selects (b_i of them); the tie
+    rule changes nothing."""
     nan_mask = _BOOL * shape.layers * shape.owners * shape.prefix
     protected = min(manifest.selection.protected.sinks, shape.prefix) + shape.window
-    selects = any(
-        0 < len(owner) - protected < shape.candidates for layer in selected for owner in layer
-    )
-    if not selects:
-        return nan_mask
-    return max(nan_mask, _KTHVALUE_BYTES_PER_KEY * shape.candidates + _KTHVALUE_RESULT_BYTES)
+    parts = _INT64 * protected + (_INT64 * shape.prompt if shape.prompt in counts else 0)
+    peak, chosen = nan_mask, 0
+    for count in counts:
+        budget = count - protected
+        if 0 < budget < shape.candidates:
+            kth = _KTHVALUE_BYTES_PER_KEY * shape.candidates + _KTHVALUE_RESULT_BYTES
+            peak = max(peak, parts + chosen + kth)
+            chosen += _INT64 * budget
+    grid = _INT64 * (sum(counts) + len(counts))
+    return max(peak, parts + chosen + grid)
+
+
+def _static_selection_bytes(counts: Sequence[int]) -> int:
+    """A static policy's selection (`static.static_selection`): one owner's positions as an
+    int64 tensor (8 n, the same n for every owner), repeated into the grid beside it."""
+    if not counts:
+        return 0
+    return _INT64 * (counts[0] + sum(counts) + len(counts))
 
 
 def compaction_workspace_bytes(num_layers: int, num_owners: int, visible_rows: int) -> int:
@@ -215,16 +245,19 @@ def _score_bytes(shape: _Shape) -> int:
     return _FP32 * shape.layers * shape.owners * shape.prefix
 
 
-def _group_reduction_peak(head_map: Sequence[int], row_bytes: int) -> int:
-    """Peak of `snapkv.reduce_gqa` over its groups, `row_bytes` = 4 L T_p: group i gathers
-    its G_i query heads' rows (G_i rows) and reduces them (one row) while the i rows of the
-    groups before it are held; then the stack writes H_kv rows beside those H_kv rows."""
+def _group_reduction_peak(
+    head_map: Sequence[int], row_bytes: int, reduction: GQAReduction = GQAReduction.MEAN
+) -> int:
+    """Peak of `snapkv.reduce_gqa` over `row_bytes` = 4 L T_p rows. Contiguous equal groups
+    (every checkpoint's layout) reduce a view: the H_kv reduced rows, and under `mean` the
+    divided copy beside them (2 H_kv rows). Otherwise group i gathers its G_i query heads'
+    rows (G_i rows) and reduces them (one row) while the i rows of the groups before it are
+    held; then the stack writes H_kv rows beside those H_kv rows."""
     groups = [head_map.count(kv) for kv in range(max(head_map) + 1)]
+    size = len(head_map) // len(groups)
+    if list(head_map) == [q // size for q in range(len(head_map))]:
+        return (2 if reduction is GQAReduction.MEAN else 1) * len(groups) * row_bytes
     peak = 0
     for done, size in enumerate(groups):
         peak = max(peak, (done + size + 1) * row_bytes)
     return max(peak, 2 * len(groups) * row_bytes)
-
-
-def _rows(selected: Sequence[Sequence[Sequence[int]]]) -> int:
-    return sum(len(owner) for layer in selected for owner in layer)

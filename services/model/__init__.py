@@ -28,6 +28,7 @@ from services.model.kvcache import DecodeCache, StepCapture
 from services.model.loader import CheckpointInfo, LoadedModel, load, read_checkpoint
 from services.model.runtime import (
     LayerPrefill,
+    ObservationVote,
     PrefillOptions,
     PrefillResult,
     PromptForward,
@@ -35,6 +36,7 @@ from services.model.runtime import (
     decode_tokens,
     forward_prompt,
     generate,
+    observation_vote,
     prefill,
 )
 from services.model.sampler import SamplingParams, finish_reason, sample
@@ -56,6 +58,8 @@ __all__ = [
     "ModelConfig",
     "ModelError",
     "PrefillOptions",
+    "ObservationVote",
+    "observation_vote",
     "PrefillResult",
     "PromptForward",
     "SamplingParams",

@@ -1,7 +1,8 @@
 """Token sampling (greedy, temperature, top-k, top-p) and stop decisions. Pure functions over
-logits. The randomness of output token i of a seeded request comes from a generator seeded with
-(seed, i) alone, so the same tokens come out whichever worker samples them (the first token is
-sampled by the prefill worker, the rest by the decode worker) and whatever shares the batch.
+logits. The randomness of output token i of a seeded request is one uniform, a counter-based
+function of (seed, i) alone (`seeded_uniform`), so the same tokens come out whichever worker
+samples them (the first token is sampled by the prefill worker, the rest by the decode worker)
+and whatever shares the batch.
 
 `SamplingParams` is the one sampling type of a request, from the gateway to the decode worker;
 `check_sampling` is its one rule set: every hop (gateway, prefill, decode) calls it with its own
@@ -102,8 +103,11 @@ def check_sampling(
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """Rows of logits `[B, V]` a token can be sampled from `[B]` bool: no NaN, no +inf, and at
     least one finite entry (-inf entries are tokens that cannot be drawn)."""
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):  # the usual case: one pass
+        return torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
     broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
-    return ~broken & torch.isfinite(logits).any(dim=-1)
+    return ~broken & finite.any(dim=-1)
 
 
 def sample(
@@ -112,11 +116,12 @@ def sample(
     """logits `[B, V]` -> token ids `[B]`; row b is output token steps[b] of a request
     sampled with params[b]. NonFiniteLogits names the rows that are not `finite_rows`.
 
-    Vectorized over the batch: greedy rows take one argmax, sampled rows one float64
-    distribution `[S, V]` and one race `argmax(probs / Exp(1) noise)`, which is exactly what
-    `torch.multinomial(probs, 1, generator)` computes (its one-sample path), so a seeded row
-    draws the same token it drew when it was sampled alone. Only the noise of a seeded row is
-    drawn per row: its stream is (seed, step) alone, from one generator reseeded per row."""
+    Vectorized over the batch: greedy rows take one argmax; sampled rows build one float64
+    distribution `[S, V]` and draw by inverse CDF, one uniform per row: the first token whose
+    cumulative mass exceeds u times the row's total. A seeded row's u is `seeded_uniform(seed,
+    step)`, a counter-based value of (seed, step) alone (no generator is built or reseeded),
+    so a row draws the same token whichever worker samples it and whatever shares the batch;
+    unseeded rows take theirs in one draw from torch's global generator."""
     if len(params) != logits.shape[0] or len(steps) != logits.shape[0]:
         raise InvalidModelInput("sampling", "need one SamplingParams and step per logits row")
     unsound = (~finite_rows(logits)).nonzero().flatten().tolist()
@@ -129,30 +134,41 @@ def sample(
     index = torch.tensor(drawn, dtype=torch.long, device=logits.device)
     drawn_params = [params[b] for b in drawn]
     probs = batch_sampling_probs(logits.index_select(0, index), drawn_params)  # [S, V]
-    noise = _exponential_noise(probs, drawn_params, [steps[b] for b in drawn])  # [S, V]
-    tokens[index] = (probs / noise).argmax(dim=-1)
+    uniforms = _uniforms(drawn_params, [steps[b] for b in drawn], probs.device)  # [S]
+    tokens[index] = inverse_cdf(probs, uniforms)
     return tokens
 
 
-def _exponential_noise(
-    probs: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row-wise inverse CDF: for probs `[S, V]` (non-negative, positive total) and uniforms
+    `[S]` in [0, 1), the first token whose cumulative mass exceeds u x total, `[S]` int64. A
+    zero-mass token is never drawn (its cumulative mass equals its predecessor's); the clamp
+    only guards against u x total rounding up to the total."""
+    cdf = torch.cumsum(probs, dim=-1)  # [S, V]
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]  # [S, 1]
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0]
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # the last token with mass
+    return torch.minimum(drawn, last)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) of output token `step` of a request seeded with `seed`: the top
+    53 bits of splitmix64 of (seed, step), so neighbouring steps and seeds are unrelated."""
+    return (_mix(seed, step) >> 10) * 2.0**-53
+
+
+def _uniforms(
+    params: Sequence[SamplingParams], steps: Sequence[int], device: torch.device
 ) -> torch.Tensor:
-    """Exp(1) noise `[S, V]` like `probs`: a seeded row from its (seed, step) stream, the
-    unseeded rows in one draw from torch's global generator."""
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    if unseeded:
-        rows = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-        noise[rows] = torch.empty_like(noise[rows]).exponential_(1.0)
-    generator: torch.Generator | None = None
-    for i, (p, step) in enumerate(zip(params, steps, strict=True)):
-        if p.seed is None:
-            continue
-        if generator is None:  # one per call, reseeded per row: no shared state across threads
-            generator = torch.Generator(device=probs.device)
-        generator.manual_seed(_mix(p.seed, step))
-        noise[i].exponential_(1.0, generator=generator)
-    return noise
+    """One uniform per sampled row `[S]` float64: a seeded row's from (seed, step), the
+    unseeded rows' from one draw of torch's global generator."""
+    values = torch.rand(len(params), dtype=torch.float64)
+    seeded = [(i, seeded_uniform(p.seed, step))
+              for i, (p, step) in enumerate(zip(params, steps, strict=True)) if p.seed is not None]
+    if seeded:
+        rows, draws = zip(*seeded, strict=True)
+        values[list(rows)] = torch.tensor(draws, dtype=torch.float64)
+    return values.to(device)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -193,23 +209,61 @@ def _mask_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
 
 
 def _mask_top_p(probs: torch.Tensor, logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
-    """Zero outside each row's smallest top-p nucleus (rows whose top_p is 1 untouched)."""
+    """Zero outside each row's smallest top-p nucleus (rows whose top_p is 1 untouched). Tokens
+    rank by logit, descending, equal logits by token id (a stable order: the same nucleus on
+    every machine), which orders the probabilities too and keeps that order where a huge
+    temperature rounds them to ties."""
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     if not rows:
         return probs
     index = torch.tensor(rows, dtype=torch.long, device=probs.device)
     threshold = torch.tensor([top_p[i] for i in rows], dtype=torch.float64, device=probs.device)
     picked = probs.index_select(0, index)  # [R, V]
-    # Ranked by logit, which orders the probabilities too, and keeps that order where a huge
-    # temperature rounds them to ties.
-    order = torch.argsort(logits.index_select(0, index), dim=-1, descending=True)  # [R, V]
-    ordered = picked.gather(-1, order)
-    mass_before = torch.cumsum(ordered, dim=-1) - ordered  # exactly 0 for the best token
-    drop = torch.zeros_like(picked, dtype=torch.bool)
-    drop.scatter_(-1, order, mass_before >= threshold[:, None])
+    ranked = logits.index_select(0, index)
+    keep = _nucleus(picked, ranked, threshold, min(NUCLEUS_CANDIDATES, int(ranked.shape[-1])))
     out = probs.clone()
-    out[index] = picked.masked_fill(drop, 0.0)
+    out[index] = picked.masked_fill(~keep, 0.0)
     return out
+
+
+# Tokens ranked before a full sort is needed: a nucleus usually lies in the first few hundred.
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus(
+    probs: torch.Tensor, logits: torch.Tensor, threshold: torch.Tensor, candidates: int
+) -> torch.Tensor:
+    """Which tokens of each row are in its nucleus `[R, V]` bool: ranked (stable order) until
+    the mass before a token reaches the row's threshold. Ranks only the top `candidates`
+    logits; a row whose nucleus may reach past the smallest of them (where top-k's order
+    among equal logits is not the stable one) is ranked again by a full stable sort."""
+    top = torch.topk(logits, candidates, dim=-1)  # every logit above the smallest is in it
+    by_token, perm = top.indices.sort(dim=-1)  # then a stable sort by logit: ties by token
+    values = top.values.gather(-1, perm)
+    order = by_token.gather(-1, torch.sort(values, dim=-1, descending=True, stable=True).indices)
+    keep_ranked, mass_before = _ranked_keep(probs, order, threshold)
+    boundary = values.amin(dim=-1, keepdim=True)  # [R, 1]
+    first_tie = (logits.gather(-1, order) == boundary).int().argmax(dim=-1, keepdim=True)
+    exact = (mass_before.gather(-1, first_tie)[:, 0] >= threshold) | (
+        candidates == int(logits.shape[-1])
+    )
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_ranked)
+    redo = (~exact).nonzero().flatten()
+    if redo.numel():
+        full = torch.sort(logits[redo], dim=-1, descending=True, stable=True).indices
+        again, _ = _ranked_keep(probs[redo], full, threshold[redo])
+        keep[redo] = torch.zeros_like(again).scatter_(-1, full, again)
+    return keep
+
+
+def _ranked_keep(
+    probs: torch.Tensor, order: torch.Tensor, threshold: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tokens in rank `order [R, K]`: kept (the mass before them is below the threshold;
+    exactly 0 for the best token, so it always is) and that mass before, both `[R, K]`."""
+    ordered = probs.gather(-1, order)
+    mass_before = torch.cumsum(ordered, dim=-1) - ordered
+    return mass_before < threshold[:, None], mass_before
 
 
 def _mix(seed: int, step: int) -> int:

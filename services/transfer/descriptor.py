@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import RecoverabilityMode
 from services.kvpolicy.receipt import PayloadDigest, Receipt
-from services.kvpolicy.state import BudgetGrid
+from services.kvpolicy.state import BudgetGrid, PositionGrid
 from services.model.sampler import SamplingParams
 from services.transfer.errors import DescriptorInvalid, TransferKey
 from services.transfer.layout import TensorSpec, ViewLayout
@@ -235,7 +235,9 @@ class ViewHandoff:
         return self.position_origin + self.frontier
 
     def receipt(
-        self, selected_positions: Sequence[Sequence[Sequence[int]]], protected_positions: Sequence[int]
+        self,
+        selected_positions: PositionGrid | Sequence[Sequence[Sequence[int]]],
+        protected_positions: Sequence[int],
     ) -> Receipt:
         """The receipt this handoff claims, over the positions read from what arrived and the
         manifest's protected positions; ReceiptMismatch (field `digest`) unless the claimed
@@ -250,7 +252,7 @@ class ViewHandoff:
             cache_generation=descriptor.cache_generation,
             frontier=self.frontier,
             position_origin=self.position_origin,
-            selected_positions=tuple(tuple(tuple(owner) for owner in layer) for layer in selected_positions),
+            selected_positions=PositionGrid.of(selected_positions),
             protected_positions=tuple(protected_positions),
             owner_budgets=self.owner_budgets,
             payload=self.payload,

@@ -5,6 +5,7 @@ timing is checked)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -62,5 +63,11 @@ def test_a_baseline_run_is_compared_stage_by_stage(tmp_path: Path) -> None:
     assert "## Before (earlier) and after (this run)" in text
     for stage in (*STAGES, "total"):
         assert f"| snapkv | {stage} |" in text
+    # the gathered bytes compared, whatever receipt format each run used
+    assert "| snapkv | gathered view (positions, offsets, K, V) | | | the same |" in text
+    legacy = json.loads(before.read_text())
+    del legacy["stages"]["snapkv"]["view_digest"]  # a baseline from before view digests
+    before.write_text(json.dumps(legacy))
+    text = run(config, tmp_path / "after.md", "after", baseline=before, baseline_label="old")
     assert "| snapkv | receipt digest | | | the same |" in text
     assert "| sampler | one call |" in text

@@ -45,7 +45,8 @@ def test_issue_example_bytes() -> None:
     assert ledger.offsets_bytes == 24
     assert ledger.omitted_payload_bytes == 256
     assert ledger.traffic_bytes == 256 + 64 + 24
-    assert ledger.transaction_peak_bytes == 512 + 256 + 88
+    assert ledger.position_grid_bytes == 8 * 16 + 8 * 4  # int64 positions and counts
+    assert ledger.transaction_peak_bytes == 512 + 256 + 88 + 160
 
 
 def test_ledger_equals_the_bytes_of_the_packed_view() -> None:
@@ -117,22 +118,27 @@ def adakv_ledger() -> Ledger:
 def test_the_workspace_terms_follow_the_formulas() -> None:
     ledger = adakv_ledger()
     assert ledger.source_rows == 2 * 2 * 64
-    assert ledger.observation_bytes == 4 * 2 * 4 * 8 * 64  # [L, H_q, W, T] fp32
+    # the runtime's vote [L, H_q, T - W] fp32 and per-layer extremes (the rows are not kept)
+    assert ledger.observation_bytes == 4 * 2 * 4 * 56 + 2 * 4 * 2
     assert ledger.score_bytes == 4 * 2 * 2 * 56  # [L, H_kv, T - W] fp32
     vote = 4 * 2 * 4 * 56  # [L, H_q, T - W] fp32
-    # avg pooling, kernel 5: the vote, the padded vote, the window sum and the pooled output
-    pooling = 3 * vote + 4 * 2 * 4 * (56 + 4)
-    assert ledger.score_workspace_bytes == pooling  # above the input check (per-layer minima)
+    # avg pooling, kernel 5, of the input vote: the padded vote, the window sum, the output
+    pooling = 2 * vote + 4 * 2 * 4 * (56 + 4)
+    assert ledger.score_workspace_bytes == pooling  # above the GQA reduction (2 x 4 L H_kv T_p)
     # one layer's position-major copy and its k-th-value selection
     assert ledger.allocator_workspace_bytes == 16 * 2 * 56 + 12
-    assert ledger.selection_workspace_bytes == 12 * 56 + 12  # one owner's k-th-value selection
+    # the last selecting owner's k-th-value selection, beside the protected positions (int64)
+    # and the three owners' chosen positions before it (4 each, int64)
+    assert ledger.selection_workspace_bytes == 12 * 56 + 12 + 8 * 8 + 8 * 3 * 4
     assert ledger.compaction_workspace_bytes == 17 * 48 + 16 * 2 * 2
     phases = ledger.transaction_phases
     assert list(phases) == ["score", "allocate", "select", "pack", "offload"]
-    observation = 4 * 2 * 4 * 8 * 64
+    observation = 4 * 2 * 4 * 56 + 2 * 4 * 2
     assert phases["score"] == ledger.source_payload_bytes + observation + pooling
     assert ledger.transaction_peak_bytes == phases["score"] > phases["pack"]
     view = ledger.visible_payload_bytes + ledger.position_map_bytes + ledger.offsets_bytes
+    view += ledger.position_grid_bytes
+    assert ledger.position_grid_bytes == 8 * 48 + 8 * 2 * 2
     assert phases["pack"] == (
         ledger.source_payload_bytes + observation + 896 + view + ledger.compaction_workspace_bytes
     )
@@ -141,7 +147,7 @@ def test_the_workspace_terms_follow_the_formulas() -> None:
 def test_a_ledger_without_a_manifest_keeps_the_packing_peak() -> None:
     ledger = build_ledger(SMALL, 8, SELECTED)
     assert all(getattr(ledger, name) == 0 for name in WORKSPACE_FIELDS[1:])
-    assert ledger.transaction_phases["pack"] == ledger.transaction_phases["offload"] == 856
+    assert ledger.transaction_phases["pack"] == ledger.transaction_phases["offload"] == 856 + 160
 
 
 def test_the_workspace_travels_on_the_wire_and_reaches_the_summary() -> None:

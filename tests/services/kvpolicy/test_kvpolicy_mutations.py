@@ -79,7 +79,7 @@ from services.kvpolicy.manifest import (
 )
 from services.kvpolicy.packing import PackedKVView, SourceCache
 from services.kvpolicy.receipt import Receipt, make_receipt, receipt_digest, verify_receipt
-from services.kvpolicy.state import KVPolicyState
+from services.kvpolicy.state import KVPolicyState, PositionGrid
 from services.offload.errors import RecallUnavailable
 from services.offload.plan import offload_plan
 from services.offload.recall import (
@@ -433,6 +433,8 @@ def object_changes(obj: Any, prefix: str = "") -> Iterator[tuple[str, str, Any]]
     +1, each string of a string array changed; a nested dataclass (the payload digest) walked."""
     for f in fields(obj):
         value, path = getattr(obj, f.name), f"{prefix}{f.name}"
+        if isinstance(value, PositionGrid):  # mutated as the nested tuples it stands for
+            value = value.nested()
         if is_dataclass(value) and not isinstance(value, type):
             for sub, sub_field, changed in object_changes(value, f"{path}."):
                 yield sub, f.name, dataclasses.replace(value, **{sub_field: changed})

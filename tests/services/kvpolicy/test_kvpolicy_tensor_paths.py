@@ -4,7 +4,11 @@ receipts the per-position Python code produced before them (their digests record
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import json
+import struct
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +19,11 @@ from services.kvpolicy.compress import StateIdentity, compress
 from services.kvpolicy.errors import PackingError, SelectionError
 from services.kvpolicy.manifest import DType, TensorContract, TieRule, default_manifests
 from services.kvpolicy.packing import pack
+from services.kvpolicy.receipt import Receipt
+from services.kvpolicy.state import PositionGrid
+from services.model import ObservationVote, PrefillOptions, prefill
+from services.model.config import parse_model_config
+from services.model.model import CausalLM
 
 torch.set_num_threads(1)
 
@@ -125,17 +134,27 @@ def test_a_bad_segment_among_good_ones_is_named(bad: list[object], reason: str) 
     assert failure.value.field == "selected[1][1]"
 
 
-def test_the_input_check_names_the_layer_and_lets_finite_overflow_through() -> None:
+SCORERS = {
+    "observation": lambda obs, head_map: snapkv.snapkv_scores(obs, 20, 4, *DEFAULTS, head_map),
+    "vote": lambda obs, head_map: snapkv.voted_scores(vote_of(obs, 4), 20, *DEFAULTS, head_map),
+}
+
+
+@pytest.mark.parametrize("evidence", sorted(SCORERS))
+def test_the_input_check_names_the_layer_and_lets_finite_overflow_through(evidence: str) -> None:
+    """From the observation or from the runtime's vote (its per-layer extremes): the same
+    faults refused, naming the same layer."""
+    scorer = SCORERS[evidence]
     obs = torch.full((3, 2, 4, 20), 0.05)
     head_map = [0, 1]
     for value, column in itertools.product((float("nan"), -1e-3, float("inf")), (2, 18)):
         broken = obs.clone()
         broken[1, 1, 3, column] = value  # column 18 is in the observation suffix
         with pytest.raises(SelectionError, match="layer 1"):
-            snapkv.snapkv_scores(broken, 20, 4, *DEFAULTS, head_map)
+            scorer(broken, head_map)
     huge = obs.clone()
     huge[2, 0, :, 5] = 3e38  # finite, but its vote overflows to +inf: the scores say so
-    scores = snapkv.snapkv_scores(huge, 20, 4, *DEFAULTS, head_map)
+    scores = scorer(huge, head_map)
     assert bool(torch.isposinf(scores[2, 0]).any())
 
 
@@ -165,7 +184,8 @@ def arithmetic_prefill(layers: int, q_heads: int, kv_heads: int, dim: int, promp
 
 
 # Receipt digests of the default manifests over `arithmetic_prefill(3, 4, 2, 8, 300, 16)`,
-# recorded from the per-position Python selection and packing that the tensor paths replaced.
+# recorded from the per-position Python selection and packing that the tensor paths replaced,
+# in the receipt format of then (v2: the positions bound as JSON text; `v2_digest`).
 RECEIPTS_BEFORE = {
     "full": "7540da1830dacd1d4ee3cce2874b814097a7a94e5919a2cfd3cb6fdcc81555d9",
     "window": "fdfd6636d34a0b303276176a9ca553e801b8ebba85581c390a6654c0c64e4970",
@@ -181,7 +201,39 @@ def receipt_digests() -> dict[str, str]:
     manifests = default_manifests(tensor, recent_window=64)
     prefill = arithmetic_prefill(3, 4, 2, 8, 300, 16)
     identity = StateIdentity("req-tensor-paths", 1)
-    return {name: compress(m, prefill, identity).receipt.digest for name, m in manifests.items()}
+    return {
+        name: v2_digest(compress(m, prefill, identity).receipt)
+        for name, m in manifests.items() if name in RECEIPTS_BEFORE
+    }
+
+
+def v2_digest(receipt: Receipt) -> str:
+    """A receipt's digest in format v2 (positions as nested JSON lists, domain v2), written out
+    here: v3 binds the same body with the positions' bytes hashed instead."""
+    body = receipt.body() | {
+        "selected_positions": [[list(o) for o in layer] for layer in receipt.selected_positions],
+        "protected_positions": list(receipt.protected_positions),
+        "owner_budgets": [list(row) for row in receipt.owner_budgets or ()],
+        "payload": dataclasses.asdict(receipt.payload) if receipt.payload else None,
+    }
+    text = json.dumps({"domain": "kvrelay.receipt.v2", **body}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_a_v3_receipt_binds_the_positions_by_their_bytes() -> None:
+    tensor = TensorContract(3, 4, 2, 8, DType.FLOAT16, DType.FLOAT16)
+    manifest = default_manifests(tensor)["snapkv"]
+    receipt = compress(manifest, arithmetic_prefill(3, 4, 2, 8, 300, 16),
+                       StateIdentity("req-v3", 1)).receipt
+    grid = receipt.selected_positions
+    counts = struct.pack(f"<{grid.counts.numel()}q", *grid.counts.reshape(-1).tolist())
+    flat = struct.pack(f"<{grid.total}q", *grid.flat.tolist())
+    assert grid.digest() == hashlib.sha256(counts + flat).hexdigest()
+    fewer = [[list(owner) for owner in layer] for layer in grid]
+    del fewer[1][0][3]  # one position fewer: another grid, another digest
+    assert PositionGrid.of(fewer).digest() != grid.digest()
+    assert PositionGrid.of(grid.nested()).digest() == grid.digest()
 
 
 def test_receipts_of_the_default_manifests_are_what_they_were() -> None:
@@ -197,3 +249,52 @@ def test_adakv_raw_counts_equal_a_stable_sort_of_the_position_major_scores() -> 
             top = brute_top_k(flat, min(budget, len(flat)), TieRule.POSITION_ASCENDING)
             want = [sum(1 for i in top if i % owners == h) for h in range(owners)]
             assert allocation.adakv_raw_counts(scores, budget) == want
+
+
+# --- the runtime's vote (the prefill worker keeps no observation rows) ------------------------
+
+
+def vote_of(obs: torch.Tensor, window: int) -> ObservationVote:
+    """What the runtime hands over for an observation `[L, H_q, W, T]`, per layer."""
+    prefix = obs.shape[-1] - window
+    lows, highs = zip(*(torch.aminmax(layer) for layer in obs), strict=True)
+    return ObservationVote(window, snapkv.window_vote(obs, prefix), torch.stack(lows),
+                           torch.stack(highs))
+
+
+def test_scores_from_the_vote_are_the_scores_from_the_observation_bit_for_bit() -> None:
+    obs = arithmetic_prefill(3, 4, 2, 8, 300, 16).observation
+    head_map = [0, 0, 1, 1]
+    for aggregation, order in itertools.product(snapkv.ScoreAggregation, snapkv.GQAOrder):
+        args = (snapkv.Pooling.AVG, 5, aggregation, snapkv.GQAReduction.MEAN, head_map, order)
+        want = snapkv.snapkv_scores(obs, 300, 16, *args)
+        got = snapkv.voted_scores(vote_of(obs, 16), 300, *args)
+        assert torch.equal(got, want)
+
+
+def test_a_vote_of_another_window_is_refused() -> None:
+    obs = torch.full((3, 2, 4, 20), 0.05)
+    with pytest.raises(SelectionError) as wrong:
+        snapkv.voted_scores(vote_of(obs, 4), 20, *DEFAULTS, [0, 1], window=8)
+    assert wrong.value.field == "observation_vote.window"
+
+
+def test_the_runtime_votes_what_the_observation_it_keeps_says() -> None:
+    config = parse_model_config({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 50,
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+    })
+    torch.manual_seed(3)
+    model = CausalLM(config).eval().requires_grad_(False)
+    ids = list(range(1, 41))
+    kept = prefill(model, ids, PrefillOptions(chunk_size=16, obs_window=6))
+    voted = prefill(model, ids, PrefillOptions(chunk_size=16, obs_window=6, keep_observation=False))
+    assert kept.observation is not None and voted.observation is None
+    assert kept.observation_vote is not None and voted.observation_vote is not None
+    assert torch.equal(kept.observation_vote.vote, snapkv.window_vote(kept.observation, 34))
+    assert torch.equal(voted.observation_vote.vote, kept.observation_vote.vote)
+    assert torch.equal(voted.observation_vote.minimum, kept.observation.amin(dim=(1, 2, 3)))
+    assert torch.equal(voted.observation_vote.maximum, kept.observation.amax(dim=(1, 2, 3)))

@@ -129,7 +129,8 @@ CASES: dict[str, Callable[[], KVVisibilityPolicyManifest]] = {
 @functools.cache
 def forward(window: int) -> PrefillResult:
     ids = torch.randint(0, 61, (PROMPT,), generator=torch.Generator().manual_seed(9)).tolist()
-    return prefill(model(), ids, PrefillOptions(chunk_size=32, obs_window=window))
+    options = PrefillOptions(chunk_size=32, obs_window=window, keep_observation=False)
+    return prefill(model(), ids, options)  # what the prefill worker holds: the vote alone
 
 
 def allocated_peak(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
@@ -168,37 +169,36 @@ def test_named_terms_are_the_bytes_of_the_actual_tensors(name: str) -> None:
     run = stages(manifest)
     ledger, result, scores = run["compressed"].ledger, run["result"], run["scores"]
     view = run["compressed"].view
-    assert ledger.observation_bytes == result.observation.nbytes
+    voted = result.observation_vote
+    held = 0 if voted is None else voted.vote.nbytes + voted.minimum.nbytes + voted.maximum.nbytes
+    assert result.observation is None  # the window's rows are not kept, their vote is
+    assert ledger.observation_bytes == held
     assert ledger.score_bytes == (0 if scores is None else scores.nbytes)
     assert ledger.source_payload_bytes == result.source_k.nbytes + result.source_v.nbytes
     assert ledger.visible_payload_bytes == view.payload_bytes
     if scores is not None:
         assert ledger.score_workspace_bytes >= pooling_buffers(manifest, result)
-        vote = 4 * result.observation[..., 0, : scores.shape[2]].numel()  # [L, H_q, T_p]
-        assert ledger.score_workspace_bytes >= vote + 4  # the vote and its maximum (input check)
 
 
 def pooling_buffers(manifest: KVVisibilityPolicyManifest, result: PrefillResult) -> int:
-    """The pooling step's buffers, rebuilt from the observation: its input (the vote, or the
-    owner votes under reduce_then_pool, beside the vote), the padded input, the pooled
-    output, and avg's sum before it divides."""
+    """The pooling step's buffers, rebuilt from the runtime's vote: the padded input, the
+    pooled output and avg's sum before it divides, and its input when pooling made it (the
+    owner votes under reduce_then_pool)."""
     params = manifest.selection.snapkv
-    assert params is not None
-    window = min(params.observation_window, PROMPT)
-    vote = result.observation[..., : PROMPT - window].sum(dim=2)  # [L, H_q, T_p]
-    held = 0
-    pooled_input = vote
+    assert params is not None and result.observation_vote is not None
+    vote = result.observation_vote.vote  # [L, H_q, T_p], the input
+    pooled_input, made = vote, 0
     if params.gqa_order is GQAOrder.REDUCE_THEN_POOL:
         head_map = manifest.tensor.resolved_q_to_kv_head_map()
         pooled_input = snapkv.reduce_gqa(vote, head_map, params.gqa_reduction)  # [L, H_o, T_p]
-        held = vote.nbytes
+        made = pooled_input.nbytes if pooled_input is not vote else 0
     pooled = snapkv.pool_scores(pooled_input, params.pooling, params.pooling_kernel)
     if pooled is pooled_input:
         return 0
     pad = params.pooling_kernel // 2
     padded = F.pad(pooled_input, (pad, pad))
     extra = pooled.nbytes if params.pooling is Pooling.AVG else 0  # avg: sum, then divide
-    return held + pooled_input.nbytes + padded.nbytes + pooled.nbytes + extra
+    return made + padded.nbytes + pooled.nbytes + extra
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -216,7 +216,9 @@ def test_workspace_terms_are_what_each_stage_allocates(name: str) -> None:
 def test_transaction_peak_is_the_measured_peak_of_compress(name: str) -> None:
     manifest = CASES[name]()
     result = forward(core.observation_window(manifest))
-    held = result.source_k.nbytes + result.source_v.nbytes + result.observation.nbytes
+    voted = result.observation_vote
+    evidence = 0 if voted is None else voted.vote.nbytes + 2 * voted.minimum.nbytes
+    held = result.source_k.nbytes + result.source_v.nbytes + evidence
     compressed, peak = allocated_peak(core.compress, manifest, result, IDENTITY)
     ledger = compressed.ledger
     assert near(held + peak, ledger.transaction_peak_bytes)

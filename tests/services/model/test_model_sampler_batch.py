@@ -1,6 +1,7 @@
-"""The batch-vectorized sampler against the per-row sampler it replaced (an independent
-reference kept here verbatim: one generator per row per step, `torch.multinomial`): the same
-tokens and the same float64 distributions, whatever shares the batch and wherever the row sits."""
+"""The batch-vectorized sampler against an independent per-row reference (a full stable sort for
+top-p, splitmix64 written out here for the seeded uniform, a Python scan of the cumulative mass
+for the inverse CDF): the same tokens and the same float64 distributions, whatever shares the
+batch and wherever the row sits."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from services.model import SamplingParams, sample
 from services.model.errors import NonFiniteLogits
-from services.model.sampler import _mix, batch_sampling_probs
+from services.model.sampler import NUCLEUS_CANDIDATES, batch_sampling_probs, seeded_uniform
 
 torch.set_num_threads(1)
 
@@ -21,7 +22,7 @@ def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        order = torch.argsort(logits, descending=True)
+        order = torch.sort(logits, descending=True, stable=True).indices  # ties: lower id first
         ordered = probs[order]
         mass_before = torch.cumsum(ordered, dim=-1) - ordered
         drop = torch.zeros_like(probs, dtype=torch.bool)
@@ -30,11 +31,25 @@ def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return probs
 
 
+def _splitmix_uniform(seed: int, step: int) -> float:
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z = (z ^ (z >> 31)) & ((1 << 63) - 1)
+    return (z >> 10) / float(1 << 53)
+
+
 def _reference_token(row: torch.Tensor, params: SamplingParams, step: int) -> int:
     if params.greedy:
         return int(row.argmax())
-    generator = torch.Generator().manual_seed(_mix(params.seed or 0, step))
-    return int(torch.multinomial(_reference_probs(row, params), 1, generator=generator)[0])
+    probs = _reference_probs(row, params)
+    cdf = torch.cumsum(probs, dim=0).tolist()
+    target = _splitmix_uniform(params.seed or 0, step) * cdf[-1]
+    for token, mass in enumerate(cdf):
+        if mass > target:
+            return token
+    raise AssertionError("no token drawn")
 
 
 PARAMS = [
@@ -111,3 +126,25 @@ def test_unseeded_rows_draw_inside_their_support() -> None:
     for _ in range(20):
         tokens = sample(logits, params, [0, 1, 2])
         assert bool((allowed == tokens[:, None]).any(dim=-1).all())
+
+
+def test_the_seeded_uniform_is_splitmix64_of_seed_and_step() -> None:
+    for seed, step in ((1, 0), (2, 1), (2**62, 7), (12345, 10**6)):
+        assert seeded_uniform(seed, step) == _splitmix_uniform(seed, step)
+        assert 0.0 <= seeded_uniform(seed, step) < 1.0
+
+
+def test_a_wide_nucleus_is_ranked_by_the_full_sort() -> None:
+    """Flat logits put the nucleus past the ranked candidates (and ties at their boundary): the
+    row falls back to the full stable sort, and the distribution is still the reference's."""
+    vocab = 4 * NUCLEUS_CANDIDATES
+    logits = torch.zeros(3, vocab)
+    logits[1, ::3] = 0.5  # many equal logits straddling the candidates' boundary
+    logits[2, :10] = 30.0  # a narrow nucleus: the fast path alone
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s + 1) for s in range(3)]
+    got = batch_sampling_probs(logits, params)
+    for row, p, probs in zip(logits, params, got, strict=True):
+        assert torch.equal(probs, _reference_probs(row, p))
+    tokens = sample(logits, params, [3, 3, 3]).tolist()
+    assert tokens == [_reference_token(r, p, 3) for r, p in zip(logits, params, strict=True)]
+    assert int((got[0] > 0).sum()) > NUCLEUS_CANDIDATES  # the full-sort path really ran
