@@ -12,44 +12,51 @@ sustains. The report gives ops/s, p50/p99 and ours/ceiling for both ceilings.
 Cluster of three masters with a replica each ("cluster", `services.redis_cluster`): the
 service then uses `redis+cluster://`, the direct ceiling redis-py's RedisCluster, and the pipe
 ceiling streams to the master that owns the request's slot.
+
+`processes` runs the service as one or several replicas on the same Redis, the clients
+reaching them through one round-robin target (`services.policy.client`); `unpipelined` also
+runs one replica the way the service ran before automatic pipelining (one Redis round trip
+per call, `--no-redis-pipelining`), so both are measured in the same run, and on the cluster
+one replica that acknowledges without waiting for a Redis replica (the cost of WAIT); `Health` (a gRPC
+health check of the same process: no policy code, no Redis) is the floor a gRPC call to it
+costs. With `unpipelined`, on one Redis, the store itself is measured in this process too
+(`store.publish_state` / `get_fence`, no gRPC), pipelined and not: what pipelining cuts from
+the Redis side of a call. `failover` adds the failover drill (`policy_service.failover`) on a cluster of its
+own. Reports: `policy_service.bench_report`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
-import json
 import math
 import os
 import re
 import shutil
-import statistics
 import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.asyncio import Redis, RedisCluster
 
 from policy_service import lua
-from policy_service.config import is_cluster_url, plain_redis_url
-from policy_service.store import KeySchema, RedisClient
+from policy_service.archive import parse_canonical
+from policy_service.config import PolicyServiceConfig, is_cluster_url, plain_redis_url
+from policy_service.failover import FailoverResult, failover_drill
+from policy_service.processes import policy_service_process, policy_service_processes
+from policy_service.store import KeySchema, PolicyStore, RedisClient
 from services.policy import Phase, PolicyClient, PolicyClientConfig, StatePublication
 from services.redis_cluster import EmbeddedRedisCluster
 from services.redis_embedded import (
     EmbeddedRedis,
     EmbeddedRedisError,
     find_redis_server,
-    free_loopback_port,
 )
-from services.security.roles import Role
-from services.security.transport import TransportSecurity
 
 Operation = Callable[[], Awaitable[object]]
 OPERATIONS = ("PublishState", "GetFence")
@@ -70,8 +77,15 @@ class BenchConfig:
     key_prefix: str = "kvr-bench:"
     pipe_commands: int = 50_000
     backends: tuple[str, ...] = ("single",)  # embedded ones; with redis_url, its own kind
+    processes: tuple[int, ...] = (1,)  # policy-service replicas behind one target, each in turn
+    unpipelined: bool = False  # also one replica without automatic pipelining (as before)
+    failover: bool = False  # also the failover drill, on an embedded cluster of its own
 
     def __post_init__(self) -> None:
+        if not self.processes or min(self.processes) < 1 or max(self.processes) > 8:
+            raise ValueError(f"processes: {self.processes} must be replica counts in [1, 8]")
+        if self.target is not None and (self.processes != (1,) or self.unpipelined):
+            raise ValueError("target: a running service is one variant (processes 1, pipelined)")
         if not self.backends or not set(self.backends) <= set(BACKENDS) \
                 or len(set(self.backends)) < len(self.backends):
             raise ValueError(f"backends: {self.backends} must be distinct values of {BACKENDS}")
@@ -97,6 +111,7 @@ class Measurement:
     p50_ms: float
     p99_ms: float
     backend: str = "single"  # "single" | "cluster"
+    processes: int = 1  # policy-service replicas behind the target
 
     @property
     def ops_per_s(self) -> float:
@@ -180,66 +195,50 @@ class DirectPublisher:
             raise RuntimeError(f"direct publish was {reply[0]}")
 
 
-@contextlib.asynccontextmanager
-async def policy_service_process(
-    redis_url: str, key_prefix: str, security_args: Sequence[str] = ("--plaintext",),
-    security: TransportSecurity | None = None,
-) -> AsyncIterator[str]:
-    """`kvrelay serve policy` in its own process with `security_args` (its transport flags);
-    yields its address once it is SERVING to a health check made with `security`."""
-    port = free_loopback_port()
-    command = [sys.executable, "-m", "kvrelay", "serve", "policy", "--host", "127.0.0.1",
-               "--port", str(port), "--key-prefix", key_prefix, "--metrics-port", "0",
-               *security_args]
-    env = {**os.environ, "REDIS_URL": redis_url}  # not on the command line: it holds the password
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
-    try:
-        await wait_serving(address, process, 30.0, security or TransportSecurity.local_plaintext())
-        yield address
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the service: `processes` replicas started with `args`."""
+
+    path: str  # "service" | "service-unpipelined" | "service-no-wait"
+    processes: int
+    args: tuple[str, ...] = ()
 
 
-async def wait_serving(address: str, process: subprocess.Popen[bytes], timeout_s: float,
-                       security: TransportSecurity) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with security.aio_channel(address, Role.POLICY) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"policy service exited with {process.returncode}")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                response = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"policy service at {address} not SERVING after {timeout_s}s")
+def variants(config: BenchConfig, backend: str = "single") -> list[Variant]:
+    """The service variants measured on `backend`: each replica count; with `unpipelined`,
+    one replica as before pipelining, and on a cluster (whose masters have replicas, so a
+    mutation WAITs for one) one replica acknowledging without WAIT: the cost of WAIT."""
+    found = [Variant("service", n) for n in config.processes]
+    if config.unpipelined:
+        found.append(Variant("service-unpipelined", 1, ("--no-redis-pipelining",)))
+        if backend == "cluster":
+            found.append(Variant("service-no-wait", 1, ("--redis-wait-replicas", "0")))
+    return found
 
 
-async def bench_concurrency(config: BenchConfig, target: str, redis: RedisClient, clients: int,
-                            manifest_json: bytes) -> list[Measurement]:
-    keys = KeySchema(config.key_prefix)
+async def bench_service(config: BenchConfig, variant: Variant, target: str, clients: int,
+                        manifest_json: bytes, floor: bool) -> list[Measurement]:
+    """PublishState and GetFence of `clients` closed-loop clients (each its own channel, as
+    each gateway or worker has) at `target`; with `floor`, a health check of it too."""
     policy_clients = [PolicyClient(PolicyClientConfig(target, timeout_s=10.0)) for _ in range(clients)]
     try:
         sha = (await policy_clients[0].register_manifest(manifest_json)).ref.sha256
-        ids = [f"bench-{clients}-{i}-{time.monotonic_ns()}" for i in range(clients)]
+        ids = [f"bench-{variant.path}-{variant.processes}-{clients}-{i}-{time.monotonic_ns()}" for i in range(clients)]
         fences = [await c.begin_request(rid, lease_ms=LEASE_MS) for c, rid in zip(policy_clients, ids, strict=True)]
-        publishers = [ServicePublisher(c, f.request_id, f.request_generation, sha)
-                      for c, f in zip(policy_clients, fences, strict=True)]
-        results = [measurement("PublishState", "service", clients, 1,
-                               await closed_loop(publishers, config.seconds, config.warmup_s))]
-        readers = [lambda c=c, rid=rid: c.get_fence(rid) for c, rid in zip(policy_clients, ids, strict=True)]
-        results.append(measurement("GetFence", "service", clients, 1,
-                                   await closed_loop(readers, config.seconds, config.warmup_s)))
+        readers: list[Operation] = [functools.partial(c.get_fence, rid) for c, rid in zip(policy_clients, ids, strict=True)]
+        operations: dict[str, list[Operation]] = {
+            "PublishState": [ServicePublisher(c, f.request_id, f.request_generation, sha)
+                             for c, f in zip(policy_clients, fences, strict=True)],
+            "GetFence": readers,
+        }
+        if floor:
+            operations["Health"] = [c.check_serving for c in policy_clients]
+        results = []
+        for name, loops in operations.items():
+            measured = measurement(name, variant.path, clients, 1, await closed_loop(loops, config.seconds, config.warmup_s))
+            results.append(replace(measured, processes=variant.processes))
     finally:
         await asyncio.gather(*(c.close() for c in policy_clients))
-    results += await bench_direct(config, redis, keys, clients, sha)
     return results
 
 
@@ -258,6 +257,50 @@ async def bench_direct(config: BenchConfig, redis: RedisClient, keys: KeySchema,
     results.append(measurement("GetFence", "redis-direct", clients, 1,
                                await closed_loop(readers, config.seconds, config.warmup_s)))
     return results
+
+
+async def bench_store(config: BenchConfig, redis_url: str, clients: int, manifest_json: bytes,
+                      pipelining: bool) -> list[Measurement]:
+    """The policy store in this process (no gRPC), as the service builds it."""
+    from policy_service.server import policy_store, redis_client  # the service's own wiring
+    from services.policy.types import ManifestRef
+
+    service_config = PolicyServiceConfig(redis_url=redis_url, key_prefix=config.key_prefix,
+                                         redis_pipelining=pipelining)
+    client = redis_client(redis_url, service_config)
+    store = policy_store(client, service_config)
+    path = "store-in-process" + ("" if pipelining else "-unpipelined")
+    try:
+        manifest = parse_canonical(manifest_json)
+        assert manifest is not None
+        ref: ManifestRef = manifest.ref
+        await store.register_manifest(ref, manifest_json)
+        ids = [f"{path}-{clients}-{i}-{time.monotonic_ns()}" for i in range(clients)]
+        fences = [await store.begin_request(rid, LEASE_MS) for rid in ids]
+        publishers = [StorePublisher(store, f.request_id, f.request_generation, ref.sha256) for f in fences]
+        readers: list[Operation] = [functools.partial(store.get_fence, rid) for rid in ids]
+        results = [measurement("PublishState", path, clients, 1, await closed_loop(publishers, config.seconds, config.warmup_s)),
+                   measurement("GetFence", path, clients, 1, await closed_loop(readers, config.seconds, config.warmup_s))]
+    finally:
+        await store.scripts.aclose()
+        await client.aclose()
+    return results
+
+
+class StorePublisher:
+    """The same publications as ServicePublisher, straight into a PolicyStore."""
+
+    def __init__(self, store: PolicyStore, request_id: str, request_generation: int, manifest_sha: str) -> None:
+        self.store, self.request_id, self.generation, self.sha = store, request_id, request_generation, manifest_sha
+        self.parent = 0
+
+    async def __call__(self) -> None:
+        state = self.parent + 1
+        await self.store.publish_state(StatePublication(
+            self.request_id, self.generation, self.parent, state, state, receipt(self.request_id, state),
+            self.sha, Phase.PREFILLED,
+        ), LEASE_MS)
+        self.parent = state
 
 
 def find_redis_cli() -> str | None:
@@ -337,12 +380,21 @@ def bench_manifest() -> bytes:
     return default_manifests(tensor)["snapkv"].canonical_json()
 
 
-async def run_bench(config: BenchConfig) -> list[Measurement]:
-    """Every measurement of the run, per backend: service and redis-direct per client count,
-    then the pipe."""
+@dataclass(frozen=True)
+class BenchRun:
+    """Everything one `kvrelay bench policy` run measured."""
+
+    measurements: list[Measurement]
+    failover: FailoverResult | None = None
+
+
+async def run_bench(config: BenchConfig) -> BenchRun:
+    """Every measurement of the run, per backend: each service variant per client count, the
+    direct script per client count, then the pipe; then the failover drill if asked."""
     if config.redis_url is not None:
         backend = "cluster" if is_cluster_url(config.redis_url) else "single"
-        return [replace(m, backend=backend) for m in await bench_backend(config, config.redis_url)]
+        measured = [replace(m, backend=backend) for m in await bench_backend(config, config.redis_url)]
+        return BenchRun(measured, await run_failover(config) if config.failover else None)
     results: list[Measurement] = []
     for backend in config.backends:
         server: EmbeddedRedis | EmbeddedRedisCluster = (
@@ -353,7 +405,19 @@ async def run_bench(config: BenchConfig) -> list[Measurement]:
             results += [replace(m, backend=backend) for m in await bench_backend(config, server.url)]
         finally:
             await asyncio.to_thread(server.close)
-    return results
+    return BenchRun(results, await run_failover(config) if config.failover else None)
+
+
+async def run_failover(config: BenchConfig) -> FailoverResult:
+    """The failover drill against a service process on a cluster of its own."""
+    cluster = EmbeddedRedisCluster()
+    await asyncio.to_thread(cluster.start)
+    try:
+        prefix = f"{config.key_prefix}failover:"
+        async with policy_service_process(cluster.url, prefix) as target:
+            return await failover_drill(cluster, target, prefix, bench_manifest())
+    finally:
+        await asyncio.to_thread(cluster.close)
 
 
 def bench_client(redis_url: str, max_connections: int) -> RedisClient:
@@ -369,115 +433,24 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
     manifest_json = bench_manifest()
     results: list[Measurement] = []
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            target = config.target
-            if target is None:
-                target = await stack.enter_async_context(policy_service_process(redis_url, config.key_prefix))
-            for clients in config.concurrency:
-                results += await bench_concurrency(config, target, redis, clients, manifest_json)
+        backend = "cluster" if is_cluster_url(redis_url) else "single"
+        for index, variant in enumerate(variants(config, backend)):
+            async with contextlib.AsyncExitStack() as stack:
+                target = config.target
+                if target is None:
+                    replicas = await stack.enter_async_context(policy_service_processes(
+                        redis_url, config.key_prefix, variant.processes, extra_args=variant.args))
+                    target = ",".join(replica.address for replica in replicas)
+                for clients in config.concurrency:
+                    results += await bench_service(config, variant, target, clients, manifest_json, floor=index == 0)
+        keys = KeySchema(config.key_prefix)
         sha = hashlib.sha256(manifest_json).hexdigest()
+        for clients in config.concurrency:
+            results += await bench_direct(config, redis, keys, clients, sha)
+            if config.unpipelined and backend == "single":
+                for pipelining in (True, False):
+                    results += await bench_store(config, redis_url, clients, manifest_json, pipelining)
         results += await bench_pipe(config, redis, redis_url, sha)
     finally:
         await redis.aclose()
     return results
-
-
-def service_and_ceiling(results: Sequence[Measurement]) -> list[tuple[Measurement, Measurement]]:
-    """Each service measurement with the redis-direct one of the same backend, operation and
-    clients."""
-    by_key = {(m.backend, m.operation, m.path, m.clients): m for m in results}
-    return [(m, by_key[(m.backend, m.operation, "redis-direct", m.clients)])
-            for m in results if m.path == "service"]
-
-
-def report_rows(results: Sequence[Measurement]) -> list[dict[str, object]]:
-    """One row per (operation, clients): ours, the same-concurrency ceiling, and the ratio."""
-    by_key = {(m.backend, m.operation, m.path, m.clients): m for m in results}
-    rows: list[dict[str, object]] = []
-    for m, ceiling in service_and_ceiling(results):
-        pipe = by_key.get((m.backend, m.operation, "redis-cli-pipe", 1))
-        rows.append({
-            "backend": m.backend, "operation": m.operation, "clients": m.clients,
-            "ops_per_s": round(m.ops_per_s), "p50_ms": round(m.p50_ms, 3), "p99_ms": round(m.p99_ms, 3),
-            "ceiling_ops_per_s": round(ceiling.ops_per_s),
-            "ceiling_p50_ms": round(ceiling.p50_ms, 3), "ceiling_p99_ms": round(ceiling.p99_ms, 3),
-            "ratio": round(m.ops_per_s / ceiling.ops_per_s, 3),
-            "pipe_ops_per_s": round(pipe.ops_per_s) if pipe else None,
-            "pipe_ratio": round(m.ops_per_s / pipe.ops_per_s, 4) if pipe else None,
-        })
-    return rows
-
-
-def print_report(results: Sequence[Measurement], json_path: Path | None = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    rows = report_rows(results)
-    table = Table(title="policy service on loopback vs the same Lua script straight at Redis")
-    for column in ("redis", "op", "clients", "ours ops/s", "p50 ms", "p99 ms", "ceiling ops/s", "ceil p50", "ceil p99",
-                   "ours/ceiling", "redis-cli --pipe ops/s", "ours/pipe"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    Console(width=160).print(table)
-    ratios = [m.ops_per_s / c.ops_per_s for m, c in service_and_ceiling(results)]
-    print(f"host: {os.cpu_count()} CPUs; mean ours/ceiling {statistics.mean(ratios):.3f}")
-    if json_path is not None:
-        json_path.write_text(json.dumps({"rows": rows, "measurements": [asdict(m) for m in results]}, indent=2))
-
-
-def render_markdown(results: Sequence[Measurement], command: str, host: str) -> str:
-    """The run as Markdown: one table row per (backend, operation, clients), and, where both
-    backends ran, cluster over single for the service and for the direct script."""
-    rows = report_rows(results)
-    lines = [
-        "# Policy service: PublishState / GetFence, one Redis vs Redis Cluster", "",
-        f"Command: `{command}` (one run). Host: {host}. Cluster: three masters with a replica",
-        "each, all on this host (`services.redis_cluster`); the policy service is one process.", "",
-        "| redis | op | clients | ours ops/s | p50 ms | p99 ms | direct ops/s | direct p50 ms"
-        " | direct p99 ms | ours/direct | redis-cli --pipe ops/s |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['backend']} | {r['operation']} | {r['clients']} | {r['ops_per_s']} | {r['p50_ms']} | {r['p99_ms']}"
-            f" | {r['ceiling_ops_per_s']} | {r['ceiling_p50_ms']} | {r['ceiling_p99_ms']} | {r['ratio']}"
-            f" | {r['pipe_ops_per_s']} |"
-        )
-    by_key = {(r["backend"], r["operation"], r["clients"]): r for r in rows}
-    pairs = [(r, by_key[("single", r["operation"], r["clients"])]) for r in rows
-             if r["backend"] == "cluster" and ("single", r["operation"], r["clients"]) in by_key]
-    if pairs:
-        lines += ["", "Cluster over single (ops/s):", "", "| op | clients | service | direct script |",
-                  "|---|--:|--:|--:|"]
-        for cluster, single in pairs:
-            service = int(str(cluster["ops_per_s"])) / max(1, int(str(single["ops_per_s"])))
-            direct = int(str(cluster["ceiling_ops_per_s"])) / max(1, int(str(single["ceiling_ops_per_s"])))
-            lines.append(f"| {cluster['operation']} | {cluster['clients']} | {service:.2f} | {direct:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_plot(results: Sequence[Measurement], path: Path) -> Path:
-    """ops/s against client count per operation: the service and the direct script, one line
-    per backend (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, panels = plt.subplots(1, len(OPERATIONS), figsize=(10, 4))
-    for axes, operation in zip(panels, OPERATIONS, strict=True):
-        for backend in dict.fromkeys(m.backend for m in results):
-            for path_name, style in (("service", "-"), ("redis-direct", "--")):
-                key = (backend, operation, path_name)
-                points = sorted((m for m in results if (m.backend, m.operation, m.path) == key),
-                                key=lambda m: m.clients)
-                axes.plot([m.clients for m in points], [m.ops_per_s for m in points], style, marker="o",
-                          label=f"{backend} {path_name}")
-        axes.set(xscale="log", xlabel="concurrent clients", ylabel=f"{operation} ops/s")
-        axes.legend()
-    figure.suptitle("policy service: one Redis vs Redis Cluster")
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    return path

@@ -42,6 +42,14 @@ class PolicyServiceConfig:
     redis_backoff_base_s: float = 0.02
     redis_backoff_cap_s: float = 0.2
     redis_max_connections: int = 128
+    # Acknowledge a mutation once this many replicas have it (WAIT; policy_service.durability).
+    # None: 1 where the Redis (or every cluster master) has replicas at start-up, else 0 (an
+    # embedded Redis has none). The wait stays under the socket timeout.
+    redis_wait_replicas: int | None = None
+    redis_wait_timeout_ms: int = 200
+    # Send concurrent script calls together, as pipelines (policy_service.batching); False:
+    # one round trip per call (the path before; kept for the bench's comparison).
+    redis_pipelining: bool = True
     # Where manifests survive a Redis that lost its data (policy_service.archive): a journal
     # file (None: memory only, lost with the process), checked every `recovery_interval_s`.
     manifest_journal: Path | None = None
@@ -65,6 +73,11 @@ class PolicyServiceConfig:
             raise ValueError("max_manifest_bytes: must be positive and below server.max_message_bytes")
         if self.redis_timeout_s <= 0 or self.redis_retries < 0 or self.redis_max_connections < 1:
             raise ValueError("redis_timeout_s/redis_retries/redis_max_connections: out of range")
+        if self.redis_wait_replicas is not None and not 0 <= self.redis_wait_replicas <= 16:
+            raise ValueError(f"redis_wait_replicas: {self.redis_wait_replicas} is not in [0, 16]")
+        if not 0 < self.redis_wait_timeout_ms < 1000 * self.redis_timeout_s:
+            raise ValueError(f"redis_wait_timeout_ms: {self.redis_wait_timeout_ms} is not in "
+                             f"(0, redis_timeout_s = {self.redis_timeout_s} s)")
         if not 0 < self.redis_backoff_base_s <= self.redis_backoff_cap_s:
             raise ValueError("redis_backoff_base_s: must be positive and <= redis_backoff_cap_s")
         if not 0 < self.recovery_interval_s <= 60:

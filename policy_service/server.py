@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
@@ -24,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 
 from policy_service.archive import ManifestArchive
 from policy_service.config import PolicyServiceConfig, is_cluster_url, plain_redis_url, redact_url
+from policy_service.durability import Durability, NodeClient
 from policy_service.pending_ends import PendingEnds
 from policy_service.recovery import Recovery
 from policy_service.service import SERVICE_NAME, PolicyServicer
@@ -41,15 +43,19 @@ class PolicyStartupError(RuntimeError):
     """Redis could not be reached, refused our credentials, or is too old."""
 
 
-def redis_client(url: str, config: PolicyServiceConfig) -> RedisClient:
-    """An asyncio client for redis:// or rediss:// (user and password from the URL) with
-    bounded retries and exponential backoff on connection errors and timeouts; for
-    redis+cluster:// or rediss+cluster:// a RedisCluster (the same limits, per node)."""
-    retry = Retry(
+def _retry(config: PolicyServiceConfig) -> Retry:
+    return Retry(
         ExponentialBackoff(cap=config.redis_backoff_cap_s, base=config.redis_backoff_base_s),
         retries=config.redis_retries,
         supported_errors=(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError),
     )
+
+
+def redis_client(url: str, config: PolicyServiceConfig) -> RedisClient:
+    """An asyncio client for redis:// or rediss:// (user and password from the URL) with
+    bounded retries and exponential backoff on connection errors and timeouts; for
+    redis+cluster:// or rediss+cluster:// a RedisCluster (the same limits, per node)."""
+    retry = _retry(config)
     if is_cluster_url(url):
         return RedisCluster.from_url(
             plain_redis_url(url),
@@ -59,6 +65,12 @@ def redis_client(url: str, config: PolicyServiceConfig) -> RedisClient:
             retry=retry,
             decode_responses=True,
         )
+    return single_client(url, config, retry)
+
+
+def single_client(url: str, config: PolicyServiceConfig, retry: Retry) -> Redis:
+    """A client of one Redis (or of one cluster node) with a blocking pool of
+    `redis_max_connections`."""
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=config.redis_max_connections,
@@ -69,6 +81,37 @@ def redis_client(url: str, config: PolicyServiceConfig) -> RedisClient:
         decode_responses=True,
     )
     return Redis(connection_pool=pool)
+
+
+def node_client_factory(url: str, config: PolicyServiceConfig) -> NodeClient:
+    """Makes plain clients of single cluster nodes, with the credentials and limits of the
+    cluster URL `url` (a mutation WAITs on its slot's master: policy_service.durability)."""
+    parts = urlsplit(plain_redis_url(url))
+    credentials = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+
+    def make(host: str, port: int) -> Redis:
+        node_url = urlunsplit(parts._replace(netloc=f"{credentials}{host}:{port}"))
+        return single_client(node_url, config, _retry(config))
+
+    return make
+
+
+async def choose_durability(client: RedisClient, config: PolicyServiceConfig, embedded: bool) -> Durability:
+    """What `redis_wait_replicas` asks, or by default 1 where Redis has replicas (on a
+    cluster: any master), 0 for an embedded or replica-less Redis; warns when fewer replicas
+    are connected than every mutation will wait for."""
+    if isinstance(client, RedisCluster):
+        connected = len(client.get_replicas())
+    else:
+        connected = int((await client.info("replication")).get("connected_slaves", 0))
+    wanted = config.redis_wait_replicas
+    replicas = wanted if wanted is not None else 0 if embedded else min(1, connected)
+    if replicas > connected:
+        log.warning("every mutation waits for %d redis replicas, %d connected now: they fail "
+                    "UNAVAILABLE until enough are", replicas, connected)
+    log.info("mutations acknowledged after %d redis replicas confirm them (at most %d ms)",
+             replicas, config.redis_wait_timeout_ms)
+    return Durability(replicas, config.redis_wait_timeout_ms)
 
 
 async def check_redis(client: RedisClient, url: str) -> None:
@@ -126,7 +169,8 @@ class PolicyServer:
         recovery: Recovery | None = None
         try:
             await check_redis(client, url)
-            store = policy_store(client, config)
+            store = policy_store(client, config, await choose_durability(client, config, embedded is not None),
+                                 node_client_factory(url, config) if is_cluster_url(url) else None)
             recovery = Recovery(store, url, interval_s=config.recovery_interval_s, embedded=embedded)
             store.on_redis_error = recovery.poke
             await recovery.start()
@@ -139,6 +183,7 @@ class PolicyServer:
         except BaseException:
             if recovery is not None:
                 await recovery.stop()
+                await recovery.store.scripts.aclose()
             await close_client(client)
             if embedded is not None:
                 await asyncio.to_thread(embedded.close)
@@ -150,6 +195,7 @@ class PolicyServer:
         """Drain gRPC, close Redis connections, stop the embedded redis-server (AOF flushed)."""
         await self.rpc.stop(grace_s)
         await self.recovery.stop()
+        await self.recovery.store.scripts.aclose()
         await close_client(self.redis)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.close)
@@ -163,13 +209,15 @@ async def close_client(client: RedisClient) -> None:
         await client.aclose(close_connection_pool=True)
 
 
-def policy_store(client: RedisClient, config: PolicyServiceConfig) -> PolicyStore:
-    """The store with its archive (journal read back) and its pending ends (retried for as
-    long as a request lease lasts: past that Redis drops the key anyway)."""
+def policy_store(client: RedisClient, config: PolicyServiceConfig, durable: Durability | None = None,
+                 node_client: NodeClient | None = None) -> PolicyStore:
+    """The store with its archive (journal read back), its pending ends (retried for as
+    long as a request lease lasts: past that Redis drops the key anyway) and `durable`."""
     archive = ManifestArchive(config.manifest_journal)
     archive.load()
     pending = PendingEnds(deadline_s=config.default_lease_ms / 1000)
-    return PolicyStore(client, KeySchema(config.key_prefix), archive=archive, pending_ends=pending)
+    return PolicyStore(client, KeySchema(config.key_prefix), archive=archive, pending_ends=pending,
+                       durability=durable, node_client=node_client, pipelining=config.redis_pipelining)
 
 
 async def serve(config: PolicyServiceConfig) -> None:

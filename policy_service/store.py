@@ -53,9 +53,15 @@ generation issued before for this request id, by case:
 Generations are microsecond timestamps (~1.8e15), exact in Lua's doubles below 2^53 (year
 2255). Run Redis with `maxmemory-policy noeviction`: a `volatile-*` policy may evict a
 high-water key early (case 4 then). Scripts are run with EVALSHA and reloaded on NOSCRIPT
-(redis-py's `register_script`, on the node that answered), so a restarted Redis needs no
-warm-up. A retried script is harmless: publish and end are idempotent, and a retried
+(`policy_service.durability.ScriptRunner`, on the node that answered), so a restarted Redis
+needs no warm-up. A retried script is harmless: publish and end are idempotent, and a retried
 BeginRequest only advances the generation once more.
+
+Failover. With `Durability(replicas=N)` a mutation is acknowledged only once N replicas of
+its master have it (WAIT on the connection that wrote it; `policy_service.durability`), so a
+replica promoted after the master died holds every acknowledged manifest, begin, publish and
+end. A script's writes reach a replica as one MULTI/EXEC (effects replication), so a replica
+holds all of a publish or none of it.
 
 Redis may lose data the service owns. Manifests: every one stored is kept in the
 `ManifestArchive`, and a read that misses one the archive holds writes it back first
@@ -75,8 +81,8 @@ from typing import Any
 import redis.exceptions
 from redis.asyncio import Redis, RedisCluster
 
-from policy_service import lua
 from policy_service.archive import ManifestArchive, parse_canonical
+from policy_service.durability import Durability, NodeClient, ReplicationLagging, ScriptRunner
 from policy_service.pending_ends import PendingEnd, PendingEnds
 from services.echo import echo
 from services.policy.errors import (
@@ -160,7 +166,10 @@ class PolicyStore:
     `archive` keeps every stored manifest to write back what Redis loses; `pending_ends`
     keeps the ends Redis could not take (both optional: without, nothing is kept).
     `high_water_margin_ms`: how long a request id's high-water key outlives the instant its
-    generation stands for (the backward clock step it tolerates; see the module doc)."""
+    generation stands for (the backward clock step it tolerates; see the module doc).
+    `durability`: how many replicas must confirm a mutation before it is acknowledged
+    (`node_client` makes a client of one cluster master, for its WAIT); `pipelining`:
+    concurrent script calls go to Redis together (`policy_service.batching`)."""
 
     def __init__(
         self,
@@ -170,6 +179,9 @@ class PolicyStore:
         archive: ManifestArchive | None = None,
         pending_ends: PendingEnds | None = None,
         high_water_margin_ms: int = DEFAULT_HIGH_WATER_MARGIN_MS,
+        durability: Durability | None = None,
+        node_client: NodeClient | None = None,
+        pipelining: bool = True,
     ) -> None:
         if high_water_margin_ms < 0:
             raise ValueError(f"high_water_margin_ms: {high_water_margin_ms} is negative")
@@ -179,7 +191,7 @@ class PolicyStore:
         self.pending_ends = pending_ends
         self.high_water_margin_ms = high_water_margin_ms
         self._present: set[str] = set()  # manifests seen in Redis since the last forget_present
-        self._scripts = {name: client.register_script(lua.load(name)) for name in lua.SCRIPT_NAMES}
+        self.scripts = ScriptRunner(client, durability, node_client, pipelining)
         self._high_water = 0  # the largest request generation this service has handed out
         self._unarchivable: set[str] = set()  # index entries `mirror` found no valid manifest for
         # Called when a script finds Redis unreachable (the recovery loop checks at once).
@@ -188,7 +200,14 @@ class PolicyStore:
 
     async def _run(self, script: str, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         with self._answering():
-            return await self._scripts[script](keys=list(keys), args=list(args))
+            return await self.scripts.read(script, keys, args)
+
+    async def _write(self, script: str, keys: Sequence[str], args: Sequence[str | int],
+                     acknowledged: tuple[str, ...]) -> Any:
+        """A mutation; a reply whose status is in `acknowledged` only once replicated as far
+        as `durability` asks (else ReplicationLagging, UNAVAILABLE)."""
+        with self._answering():
+            return await self.scripts.write(script, keys, args, lambda reply: reply[0] in acknowledged)
 
     @contextlib.contextmanager
     def _answering(self, poke: bool = True) -> Iterator[None]:
@@ -250,7 +269,7 @@ class PolicyStore:
     async def _register(self, ref: ManifestRef, canonical_json: bytes) -> tuple[str, str]:
         keys = (self.keys.manifest(ref.sha256), self.keys.policy(ref.name), self.keys.manifest_index())
         args = (ref.sha256, canonical_json.decode("utf-8"), ref.name, ref.policy_generation)
-        status, holder = await self._run("register_manifest", keys, args)
+        status, holder = await self._write("register_manifest", keys, args, ("created", "exists"))
         return status, holder
 
     async def republish(self, sha256: str | None = None) -> int:
@@ -370,7 +389,7 @@ class PolicyStore:
         """Begin (or begin again) `request_id` for `owner`, the identity that holds it until
         its key expires; PolicyPermissionDenied if another identity holds it."""
         args = (lease_ms, self._high_water + 1, owner, self.high_water_margin_ms)
-        reply = await self._run("begin_request", self.keys.begin_keys(request_id), args)
+        reply = await self._write("begin_request", self.keys.begin_keys(request_id), args, ("begun",))
         if reply[0] == "foreign":
             raise PolicyPermissionDenied(f"request {request_id!r} was begun by another identity",
                                          field="request_id")
@@ -389,7 +408,7 @@ class PolicyStore:
             p.receipt_digest, p.manifest_sha256, p.phase.label, p.prefill_worker, p.decode_worker,
             lease_ms,
         )
-        reply = await self._run("publish_state", keys, args)
+        reply = await self._write("publish_state", keys, args, ("published", "already"))
         status = reply[0]
         if status == "missing":
             raise NotFound(f"no live request {p.request_id!r} {_MISSING_REQUEST}", field="request_id")
@@ -413,7 +432,7 @@ class PolicyStore:
         `pending_ends` to be retried (`retry_end`) before the error goes to the caller."""
         try:
             return await self._end(request_id, request_generation, retention_ms, owner)
-        except REDIS_UNAVAILABLE:
+        except (*REDIS_UNAVAILABLE, ReplicationLagging):
             if self.pending_ends is not None:
                 self.pending_ends.add(request_id, request_generation, retention_ms, owner)
             raise
@@ -428,8 +447,8 @@ class PolicyStore:
             self.pending_ends.settle(end)
 
     async def _end(self, request_id: str, request_generation: int, retention_ms: int, owner: str) -> Fence:
-        reply = await self._run("end_request", (self.keys.request(request_id),),
-                                (request_generation, retention_ms, owner))
+        reply = await self._write("end_request", (self.keys.request(request_id),),
+                                  (request_generation, retention_ms, owner), ("ended", "already"))
         if reply[0] == "foreign":
             raise PolicyPermissionDenied(f"request {request_id!r} was begun by another identity",
                                          field="request_id")

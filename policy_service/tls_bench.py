@@ -31,8 +31,8 @@ from policy_service.bench import (
     bench_manifest,
     closed_loop,
     measurement,
-    policy_service_process,
 )
+from policy_service.processes import policy_service_process
 from services.policy import PolicyClient, PolicyClientConfig
 from services.redis_embedded import EmbeddedRedis
 from services.rpc.kvrelay.v1 import policy_pb2, policy_pb2_grpc

@@ -15,6 +15,9 @@ if tonumber(cur[1]) ~= tonumber(ARGV[1]) then
   return fence_reply('stale')
 end
 if cur[2] == 'ended' then
+  -- Rewrite a field unchanged: an acknowledged reply always follows a write of its own, so
+  -- the WAIT after it covers an earlier attempt's unconfirmed write (policy_service.durability).
+  redis.call('HSET', KEYS[1], 'phase', 'ended')
   return fence_reply('already')
 end
 redis.call('HSET', KEYS[1], 'phase', 'ended', 'updated_at', now_ms())

@@ -13,6 +13,9 @@ local entry = ARGV[4] .. ':' .. ARGV[3]
 local wrote = redis.call('SET', KEYS[1], ARGV[2], 'NX')
 local indexed = redis.call('HGET', KEYS[3], ARGV[1]) == entry
 if holder and not wrote and indexed then
+  -- Rewritten unchanged so that this reply, too, follows a write that WAIT can confirm
+  -- (policy_service.durability).
+  redis.call('HSET', KEYS[3], ARGV[1], entry)
   return {'exists', holder}
 end
 redis.call('HSET', KEYS[2], ARGV[4], ARGV[1])

@@ -5,12 +5,27 @@ with full-jitter exponential backoff up to `max_attempts` while the deadline all
 then, like DEADLINE_EXCEEDED, it surfaces as `PolicyUnavailable`. Every other status comes
 back as its typed error: `ManifestInvalid`, `ManifestDoesNotFit`, `RequestInvalid`, `NotFound`,
 `ManifestConflict`, `StaleGeneration` / `RequestEnded` (with the current `Fence`).
-Retrying is safe: publish and end are idempotent, re-registering identical bytes is too.
+
+Several policy-service replicas (stateless; one Redis behind them all) are one `target`:
+comma-separated IP:port (gRPC's own `ipv4:`/`ipv6:` resolver) or one DNS name whose A
+records name the replicas (`dns:///policy:50061`, e.g. a headless Kubernetes Service), with
+gRPC's `round_robin` load balancing: calls spread over the replicas that are up, and a retry
+after UNAVAILABLE goes to the next one. Retrying is safe for every call, also where the
+first attempt took effect before its answer was lost:
+- GetFence, GetManifest, ListManifests only read;
+- PublishState of the same publication finds it current (`already_published`, same fence);
+- EndRequest of an ended request answers it ended again;
+- RegisterManifest of identical bytes finds them registered (`created` False);
+- BeginRequest by the same identity begins the request once more with a higher generation:
+  the first generation was never handed out, so no worker holds it, and the one returned is
+  above it (fenced like any newer generation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -50,11 +65,38 @@ from services.security.transport import TransportSecurity
 
 Response = TypeVar("Response")
 POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
+def grpc_target(target: str) -> str:
+    """The gRPC target for `target`: one address (host:port, or a gRPC URI such as
+    dns:///name:port) as it is, several comma-separated IP:port as gRPC's ipv4:/ipv6: list.
+    ValueError naming `target` for a list that is not all IPv4 or all IPv6 literals."""
+    addresses = [address.strip() for address in target.split(",")]
+    if len(addresses) == 1:
+        return addresses[0]
+    versions = {_ip_version(address) for address in addresses}
+    if versions == {4}:
+        return "ipv4:" + ",".join(addresses)
+    if versions == {6}:
+        return "ipv6:" + ",".join(addresses)
+    raise ValueError(f"target: {target[:200]!r}: several policy-service addresses must all be IPv4 or "
+                     "all IPv6 ip:port; for names give one DNS name with a record per replica (dns:///name:port)")
+
+
+def _ip_version(address: str) -> int | None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
 class PolicyClientConfig:
-    """`target` is host:port of a policy service."""
+    """`target` is host:port of a policy service, or of several replicas (see the module doc)."""
 
     target: str
     timeout_s: float = 2.0
@@ -67,6 +109,7 @@ class PolicyClientConfig:
     def __post_init__(self) -> None:
         if not self.target:
             raise ValueError("target: must not be empty")
+        grpc_target(self.target)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: {self.timeout_s} must be positive")
         if self.max_attempts < 1:
@@ -113,11 +156,7 @@ class PolicyClient:
 
     def __init__(self, config: PolicyClientConfig, *, rng: random.Random | None = None) -> None:
         self.config = config
-        self._channel = config.security.aio_channel(
-            config.target, Role.POLICY,
-            # Retries are ours, bounded by the call deadline.
-            [*client_channel_options(config.max_message_bytes), ("grpc.enable_retries", 0)],
-        )
+        self._channel = policy_channel(config)
         self._stub = policy_pb2_grpc.PolicyServiceStub(self._channel)
         self._rng = rng or random.Random()
 
@@ -198,3 +237,18 @@ class PolicyClient:
             if not retryable or loop.time() + delay >= deadline:
                 raise error_from_rpc(error) from error
             await asyncio.sleep(delay)
+
+
+def policy_channel(config: PolicyClientConfig) -> grpc.aio.Channel:
+    """A channel to the replicas `config.target` names, round robin over those up. Each
+    address passes the transport's checks (plaintext only to loopback, unless allowed)."""
+    options = [*client_channel_options(config.max_message_bytes),
+               ("grpc.enable_retries", 0),  # retries are ours, bounded by the call deadline
+               ("grpc.service_config", ROUND_ROBIN)]
+    credentials, arguments = None, options
+    for address in config.target.split(","):
+        credentials, arguments = config.security.channel_arguments(address.strip(), Role.POLICY, options)
+    target = grpc_target(config.target)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=arguments)
+    return grpc.aio.secure_channel(target, credentials, options=arguments)

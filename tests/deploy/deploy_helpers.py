@@ -27,7 +27,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = (REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.cuda")
-OVERLAYS = (REPO / "k8s" / "overlays" / "cpu", REPO / "k8s" / "overlays" / "gpu")
+OVERLAYS = (REPO / "k8s" / "overlays" / "cpu", REPO / "k8s" / "overlays" / "gpu",
+            REPO / "k8s" / "overlays" / "cpu-redis-cluster")
+# The overlays whose policy service uses an external Redis Cluster (no Redis pod of their own).
+REDIS_CLUSTER_OVERLAYS = ("cpu-redis-cluster",)
+REDIS_CLUSTER_URL = Path("components/redis-cluster/redis-cluster-url")
 K8S_SECRETS_SCRIPT = REPO / "k8s" / "generate-secrets.sh"
 COMPOSE_SECRETS_SCRIPT = REPO / "docker" / "generate-secrets.sh"
 # Variables a container may carry besides the CLI's own: OpenTelemetry's standard
@@ -288,6 +292,9 @@ def copy_with_secrets(source: Path, destination: Path, script: str, ignore: str)
     shutil.copytree(source, destination, ignore=lambda d, names: [n for n in names if n == ignore])
     done = run_script(destination / script)
     assert done.returncode == 0, done.stderr
+    example = destination / REDIS_CLUSTER_URL.with_name(REDIS_CLUSTER_URL.name + ".example")
+    if example.exists():  # the operator writes the external cluster's URL from the example
+        shutil.copyfile(example, destination / REDIS_CLUSTER_URL)
     return destination
 
 

@@ -30,6 +30,7 @@ from deploy_helpers import (
     GATEWAY_HTTP_PORT,
     K8S_SECRETS_SCRIPT,
     OVERLAYS,
+    REDIS_CLUSTER_OVERLAYS,
     REPO,
     copy_with_secrets,
     default_ports,
@@ -178,7 +179,8 @@ def host_port(address: str) -> tuple[str, int]:
 @pytest.mark.parametrize("overlay", [o.name for o in OVERLAYS])
 def test_overlay_renders_and_validates_against_kubernetes_schemas(rendered, overlay: str, version: str) -> None:
     objects = rendered[overlay]
-    assert {o["kind"] for o in objects} == EXPECTED_KINDS
+    # An external Redis Cluster replaces the one StatefulSet, the namespace's Redis.
+    assert {o["kind"] for o in objects} == EXPECTED_KINDS - ({"StatefulSet"} if overlay in REDIS_CLUSTER_OVERLAYS else set())
     for obj in objects:
         try:
             validate(obj, version, strict=True)
@@ -778,3 +780,36 @@ async def test_the_init_container_registers_manifests_over_mtls_with_the_gateway
                 await client.register_manifest(manifest)
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize("overlay", [o.name for o in OVERLAYS])
+def test_policy_replicas_sit_behind_a_headless_service_with_a_disruption_budget(rendered, overlay: str) -> None:
+    objects = rendered[overlay]
+    policy, _ = role_container(objects, "policy")
+    assert policy["spec"]["replicas"] >= 2
+    address = config_map_env(objects, role_container(objects, "gateway")[1])["KVRELAY_POLICY_ADDRESS"]
+    # Clients resolve every replica and round-robin over them (services.policy.client).
+    assert address.startswith("dns:///"), address
+    service, workload, _ = service_target(objects, *host_port(address))
+    assert workload is policy and service["spec"]["clusterIP"] == "None"
+    (budget,) = [b for b in named(objects, "PodDisruptionBudget").values()
+                 if selects(b["spec"]["selector"]["matchLabels"], policy)]
+    assert budget["spec"]["maxUnavailable"] == 1 < policy["spec"]["replicas"]
+
+
+def test_the_redis_cluster_overlay_points_the_policy_service_at_an_external_cluster(rendered) -> None:
+    (overlay,) = REDIS_CLUSTER_OVERLAYS
+    objects = rendered[overlay]
+    _, policy = role_container(objects, "policy")
+    env = {e["name"]: e for e in policy["env"]}
+    assert "REDIS_PASSWORD" not in env
+    assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "kvrelay-redis-cluster", "key": "url"}
+    url = base64.b64decode(named(objects, "Secret")["kvrelay-redis-cluster"]["data"]["url"]).decode()
+    assert url.startswith("redis+cluster://:") and "@" in url  # the example's form: password, a node
+    assert env_values(policy)["KVRELAY_REDIS_WAIT_REPLICAS"] == "1"  # acknowledged once a replica has it
+    # No Redis of the namespace's own: no StatefulSet, Service, NetworkPolicy, config or Secret.
+    leftovers = [f"{o['kind']}/{o['metadata']['name']}" for o in objects
+                 if o["metadata"]["name"].startswith(("kvrelay-redis-config", "kvrelay-redis-"))
+                 and not o["metadata"]["name"].startswith("kvrelay-redis-cluster")
+                 or o["metadata"]["name"] == "kvrelay-redis"]
+    assert not leftovers, leftovers

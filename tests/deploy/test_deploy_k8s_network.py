@@ -22,8 +22,9 @@ from deploy_helpers import (
 
 Obj = dict[str, Any]
 Edge = tuple[str, str, str]  # (source, destination, "TCP/port" or "TCP/first-last")
-# Peers outside the namespace's pods: any client, the monitoring namespace, cluster DNS.
-CLIENTS, MONITORING, DNS = "clients", "monitoring", "kube-dns"
+# Peers outside the namespace's pods: any client, the monitoring namespace, cluster DNS, the
+# external Redis Cluster's namespace (overlays with components/redis-cluster).
+CLIENTS, MONITORING, DNS, REDIS_CLUSTER = "clients", "monitoring", "kube-dns", "redis-cluster"
 COMPONENT = "app.kubernetes.io/component"
 KVRELAY_ROLES = ("gateway", "policy", "prefill", "decode")
 PAIR_SYSCTL = "net.ipv4.ip_local_port_range"
@@ -70,6 +71,9 @@ def peers(rule_peers: list[Obj] | None, components: dict[str, dict[str, str]]) -
         elif namespace == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}:
             assert "podSelector" not in peer, "any pod of the monitoring namespace scrapes"
             found.add(MONITORING)
+        elif namespace == {"matchLabels": {"kubernetes.io/metadata.name": "redis"}}:
+            assert "podSelector" not in peer, "any node of the external Redis Cluster"
+            found.add(REDIS_CLUSTER)
         elif namespace == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}:
             assert peer["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}, peer
             found.add(DNS)
@@ -106,8 +110,9 @@ def allowed(objects: list[Obj]) -> tuple[set[Edge], set[Edge]]:
     return ingress, egress
 
 
-def design_edges(pair_range: str) -> set[Edge]:
-    """The edges one request needs, with the ports of `kvrelay serve ROLE`'s defaults."""
+def design_edges(pair_range: str, redis_cluster: bool = False) -> set[Edge]:
+    """The edges one request needs, with the ports of `kvrelay serve ROLE`'s defaults; with
+    `redis_cluster`, the policy service's Redis is the external cluster, not a pod here."""
     port = {role: ports_["port"] for role, ports_ in default_ports().items()}
     tcp = "TCP/{}".format
     pair = f"TCP/{pair_range}"
@@ -122,11 +127,12 @@ def design_edges(pair_range: str) -> set[Edge]:
         ("decode", "policy", tcp(port["policy"])),
         ("decode", "prefill", tcp(port["prefill"])),  # OffloadService: Recall, RenewLease, Release
         ("decode", "prefill", pair),
-        ("policy", "redis", "TCP/6379"),
+        ("policy", REDIS_CLUSTER if redis_cluster else "redis", "TCP/6379"),
     }
     edges |= {(role, "jaeger", "TCP/4317") for role in KVRELAY_ROLES}
     edges |= {(MONITORING, role, tcp(default_ports()[role]["metrics_port"])) for role in KVRELAY_ROLES}
-    edges |= {(c, DNS, f"{proto}/53") for c in (*KVRELAY_ROLES, "redis", "jaeger") for proto in ("UDP", "TCP")}
+    own_redis = () if redis_cluster else ("redis",)
+    edges |= {(c, DNS, f"{proto}/53") for c in (*KVRELAY_ROLES, *own_redis, "jaeger") for proto in ("UDP", "TCP")}
     return edges
 
 
@@ -148,7 +154,7 @@ def pair_group_range(objects: list[Obj]) -> str:
 def compare(objects: list[Obj]) -> list[str]:
     """What differs between the allowed edges and the design's (empty when they agree)."""
     ingress, egress = allowed(objects)
-    expected = design_edges(pair_group_range(objects))
+    expected = design_edges(pair_group_range(objects), redis_cluster="redis" not in pods(objects))
     inside = set(pods(objects))
     problems = []
     for side, found, wanted in (

@@ -10,14 +10,15 @@ import redis
 
 from policy_service.bench import (
     BenchConfig,
+    BenchRun,
     Measurement,
     percentile,
-    render_markdown,
-    report_rows,
     resp_command,
     run_bench,
-    write_plot,
+    variants,
 )
+from policy_service.bench_report import MONOTONICITY_TEST, render_markdown, report_rows, write_plot
+from policy_service.failover import FailoverResult
 from services.redis_embedded import EmbeddedRedis
 
 
@@ -42,34 +43,62 @@ def test_report_pairs_each_service_row_with_its_ceilings() -> None:
         Measurement("GetFence", "service", 16, 500, 1.0, 2.0, 9.0),
         Measurement("GetFence", "redis-direct", 16, 1000, 1.0, 1.0, 3.0),
         Measurement("GetFence", "redis-cli-pipe", 1, 10_000, 0.5, math.nan, math.nan),
+        Measurement("Health", "service", 16, 900, 1.0, 0.5, 1.0),
     ]
-    (row,) = report_rows(results)
-    assert (row["ops_per_s"], row["ceiling_ops_per_s"], row["ratio"]) == (500, 1000, 0.5)
-    assert (row["pipe_ops_per_s"], row["pipe_ratio"]) == (20_000, 0.025)
+    fence, health = report_rows(results)
+    assert (fence["ops_per_s"], fence["ceiling_ops_per_s"], fence["ratio"], fence["pipe_ops_per_s"]) \
+        == (500, 1000, 0.5, 20_000)
+    assert (health["operation"], health["ceiling_ops_per_s"], health["ratio"]) == ("Health", None, None)
 
 
-def test_the_markdown_compares_each_cluster_row_with_the_same_single_row(tmp_path: Path) -> None:
+def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tmp_path: Path) -> None:
     results = [
-        Measurement("GetFence", path, 16, ops, 1.0, 1.0, 2.0, backend=backend)
-        for backend, path, ops in [("single", "service", 500), ("single", "redis-direct", 1000),
-                                   ("cluster", "service", 400), ("cluster", "redis-direct", 1500)]
+        Measurement(op, path, clients, ops, 1.0, p50, 2.0, backend=backend, processes=processes)
+        for backend, path, processes, op, clients, ops, p50 in [
+            ("single", "service", 1, "PublishState", 1, 500, 1.0),
+            ("single", "redis-direct", 1, "PublishState", 1, 2000, 0.4),
+            ("single", "service", 1, "PublishState", 64, 2400, 20.0),
+            ("single", "service", 2, "PublishState", 64, 3600, 15.0),
+            ("single", "service-unpipelined", 1, "PublishState", 64, 1200, 50.0),
+            ("single", "redis-direct", 1, "PublishState", 64, 4000, 10.0),
+            ("cluster", "service", 1, "GetFence", 64, 3000, 12.0),
+            ("cluster", "service", 1, "PublishState", 16, 900, 4.0),
+            ("cluster", "service-no-wait", 1, "PublishState", 16, 1000, 3.5),
+        ]
     ]
-    assert [(r["backend"], r["ratio"]) for r in report_rows(results)] == [("single", 0.5), ("cluster", 0.267)]
-    text = render_markdown(results, "kvrelay bench policy", "2 CPUs")
-    assert "| cluster | GetFence | 16 | 400 |" in text and "| GetFence | 16 | 0.80 | 1.50 |" in text
+    failover = FailoverResult(requests=8, acknowledged=80, read_back=80, missing=0, torn=0,
+                              acknowledged_while_unreplicated=0, resumed=30, retries=5, failover_s=2.0)
+    text = render_markdown(BenchRun(results, failover), "kvrelay bench policy --scale", "2 CPUs")
+    assert "| single | 2 processes | PublishState | 64 | 3600 |" in text
+    assert "| single | 1 process, unpipelined (before) | PublishState | 64 | 1200 |" in text
+    assert "(ratio 2.50; goal <= 2)" in text and "x2.00" in text and "x1.50 one process" in text
+    assert "| cluster | 1 process, no WAIT | PublishState | 16 | 1000 |" in text
+    assert "WAIT 1 on the cluster, PublishState at 16 clients: p50 4.000 ms vs 3.500 ms without" in text
+    assert "read back from the promoted replica: 80 of 80**" in text and MONOTONICITY_TEST in text
     assert write_plot(results, tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_variants_are_the_replica_counts_and_the_path_before() -> None:
+    found = variants(BenchConfig(processes=(1, 2), unpipelined=True))
+    assert [(v.path, v.processes, v.args) for v in found] == [
+        ("service", 1, ()), ("service", 2, ()), ("service-unpipelined", 1, ("--no-redis-pipelining",))]
+    on_cluster = variants(BenchConfig(unpipelined=True), "cluster")
+    assert [(v.path, v.args) for v in on_cluster][-1] == ("service-no-wait", ("--redis-wait-replicas", "0"))
+    with pytest.raises(ValueError, match="target"):
+        BenchConfig(redis_url="redis://x:1", target="127.0.0.1:1", processes=(2,))
+
+
 @pytest.mark.slow
-async def test_bench_runs_end_to_end_on_one_redis_and_on_a_cluster() -> None:
+async def test_bench_runs_end_to_end_with_two_replicas_on_one_redis_and_on_a_cluster() -> None:
     # Warm-up long enough for a loaded host to open the first connections to every node.
-    config = BenchConfig(concurrency=(1, 2), seconds=1.0, warmup_s=0.5, pipe_commands=300,
-                         backends=("single", "cluster"))
-    results = await run_bench(config)
-    paths = {(m.backend, m.operation, m.path, m.clients) for m in results}
+    config = BenchConfig(concurrency=(2,), seconds=0.5, warmup_s=0.5, pipe_commands=300,
+                         backends=("single", "cluster"), processes=(2,))
+    run = await run_bench(config)
+    paths = {(m.backend, m.operation, m.path, m.processes) for m in run.measurements}
     for backend in ("single", "cluster"):
         for operation in ("PublishState", "GetFence"):
-            assert {(backend, operation, "service", 1), (backend, operation, "service", 2),
-                    (backend, operation, "redis-direct", 2), (backend, operation, "redis-cli-pipe", 1)} <= paths
-    assert all(m.ops > 0 and m.ops_per_s > 0 for m in results)
-    assert len(report_rows(results)) == 8
+            assert {(backend, operation, "service", 2), (backend, operation, "redis-direct", 1),
+                    (backend, operation, "redis-cli-pipe", 1)} <= paths
+        assert (backend, "Health", "service", 2) in paths
+    assert all(m.ops > 0 and m.ops_per_s > 0 for m in run.measurements)
+    assert len(report_rows(run.measurements)) == 2 * 3 and run.failover is None
