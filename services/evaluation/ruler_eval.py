@@ -42,9 +42,11 @@ from services.offload.fetchers import LocalPageFetcher, StoreFetcher
 from services.offload.plan import offload_plan
 from services.offload.recall import (
     DEFAULT_RECALL_KNOBS,
+    RECOMPUTE_ALWAYS,
     RecallKnobs,
     RecallSession,
     RecallStatus,
+    RecallStrategy,
     decode_with_recall,
     with_recall,
 )
@@ -64,6 +66,7 @@ class PolicySet:
     reduction: GQAReduction = GQAReduction.MEAN  # kvpress's GQA rule
     recall_modes: tuple[RecoverabilityMode, ...] = RECALL_MODES  # on SnapKV uniform
     recall_knobs: RecallKnobs = DEFAULT_RECALL_KNOBS
+    recall_strategy: RecallStrategy = RECOMPUTE_ALWAYS  # when recalled rows reach attention
     # SnapKV paper's window (32): the answer prefix and template tail take ~12 of its rows,
     # so at the end placement the question's key still falls inside it.
     shape: SnapKVShape = field(default_factory=lambda: SnapKVShape(observation_window=32))
@@ -204,13 +207,16 @@ class RulerRunner:
                             compressed.selection.positions)
         assert plan is not None, "recall cells carry a recallable manifest"
         state = dataclasses.replace(compressed.compressed.state, request_id=rid)
+        strategy = self.policies.recall_strategy
         if plan.mode is RecoverabilityMode.RECALLABLE_LOCAL:
-            return RecallSession(manifest, plan.summaries, LocalPageFetcher(plan.rows), state=state)
+            return RecallSession(manifest, plan.summaries, LocalPageFetcher(plan.rows),
+                                 state=state, strategy=strategy)
         key = StoreKey(rid, state.request_generation, state.state_generation)
         stored = self.store.put(key, plan.rows)
         if isinstance(stored, Refused):
             raise RuntimeError(f"offload store refused {rid}: {stored.reason.value}")
-        return RecallSession(manifest, plan.summaries, StoreFetcher(self.store, key), state=state)
+        return RecallSession(manifest, plan.summaries, StoreFetcher(self.store, key),
+                             state=state, strategy=strategy)
 
     def _groups(self, requests: Sequence[_Request], prompt_len: int) -> list[list[_Request]]:
         """Decode batches: full alone, recallable together, lossy together (or per budget)."""

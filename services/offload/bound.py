@@ -17,6 +17,14 @@ summed over the pages still omitted. Everything after the page bounds is compute
 space and float64; thresholds are compared as log-odds, so a threshold of 0 selects every
 page that is still omitted, however small its bound. Per owner the bound is the maximum
 over the query heads that read the owner's rows. Pure: tensors in, values out.
+
+Ranking. The bound is safe but loose on a real model (SmolLM2-135M, 8-row pages: it sits a
+median 13 nats above the page's true largest logit, and its top pages barely overlap the
+pages that really take attention), so pages may instead be *ranked* by the midpoint estimate
+s * q . (min + max) / 2, the logit of the box's centre (no bound: a ranking only, from the
+same summaries). On the real model it puts the needle's pages first where the bound put them
+hundreds deep (`docs/results/recall-smollm2/report.md`). `choose_pages` reads the
+ranking from `Ranking`; the trigger (threshold, full-recall gate) always reads the bound.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -31,13 +40,18 @@ from services.kvpolicy.manifest import RecoverabilityContract
 from services.offload.errors import BoundInputInvalid
 from services.offload.pages import PageRef, PageSummaries
 
-# Rounding allowance. The bound is computed in float64 (products of float32 inputs are
-# exact there) and raised by 8 (d_h + 1) float32 unit roundoffs times
-# s * sum_i |q_i| * max(|min_i|, |max_i|), plus (d_h + 2) smallest normal float32 numbers
-# for underflow, so neither the exact logit nor a float32-accumulated one exceeds it.
-_ROUNDING_UNITS_PER_DIM = 8.0
+# Rounding allowance. An attention logit s * q.k computed in float32 is within
+# (d_h + 1) float32 unit roundoffs times s * sum_i |q_i| |k_i| of the exact one, and so is
+# the page bound, now computed in float32 too (one batched product per step: float64 copies
+# of every page's min and max cost more than the rest of the bound). With
+# m_i = max(|min_i|, |max_i|) >= |k_i|, raising the computed bound by 16 (d_h + 1) unit
+# roundoffs times s * sum_i |q_i| m_i (8 for each side, a wide margin over the (d_h + 3)
+# needed), plus 2 (d_h + 2) smallest normal float32 numbers for underflow on both sides,
+# keeps it above the exact logit and above a float32-accumulated one.
+_ROUNDING_UNITS_PER_DIM = 16.0
 _UNIT_ROUNDOFF = 2.0**-24
 _SMALLEST_NORMAL = 2.0**-126
+_UNDERFLOW_TERMS = 2
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,13 @@ class RecallPolicy:
         return step % self.cadence_steps == 0
 
 
+class Ranking(StrEnum):
+    """How `choose_pages` orders the candidate pages."""
+
+    BOUND = "bound"  # the page's bounded share of its head's mass (Quest)
+    MIDPOINT = "midpoint"  # the midpoint estimate's log-odds against the resident rows
+
+
 @dataclass(frozen=True)
 class RecallBound:
     """Page and omitted-mass bounds of one decode step, for every layer and query head."""
@@ -102,6 +123,9 @@ class RecallBound:
     live: torch.Tensor  # [P_total] bool, pages still omitted
     head_log_odds: torch.Tensor  # [L, H_q] float64, log(sum_p n_p e^{b_p}) - r
     owner_log_odds: torch.Tensor  # [L, H_owner] float64, max over the owner's reading heads
+    # [P_total] float64, max over reading heads of  est_p + log n_p - r  (midpoint estimate
+    # est_p; -inf for pages no longer live); None unless asked for
+    page_estimate: torch.Tensor | None = None
 
     @property
     def head_mass_bound(self) -> torch.Tensor:
@@ -143,23 +167,88 @@ def page_logit_bounds(
     reads (its K/V head, or i itself when owners are query heads). Entries of heads that
     read another owner are -inf. `scale` defaults to 1/sqrt(d_h).
     """
+    return _page_logits(summaries, query, head_to_owner, scale, estimate=False)[0]
+
+
+def page_midpoint_logits(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    head_to_owner: Sequence[int],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """s * q . (min + max) / 2 per page and reading head (-inf elsewhere).  # [P_total, H_q]"""
+    estimate = _page_logits(summaries, query, head_to_owner, scale, estimate=True)[1]
+    assert estimate is not None
+    return estimate
+
+
+def _page_logits(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    head_to_owner: Sequence[int],
+    scale: float | None,
+    *,
+    estimate: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bound, and when `estimate` the midpoint estimate, both `[P_total, H_q]`."""
     owner_of_head = _check_query(summaries, query, head_to_owner)
     scale = _scale(scale, summaries.head_dim)
-    q = query.detach().to(device=summaries.page_min.device, dtype=torch.float64)  # [L, H_q, d_h]
-    low, high = summaries.page_min.double(), summaries.page_max.double()  # [P_total, d_h]
-    reach = torch.maximum(low.abs(), high.abs())  # [P_total, d_h]
+    q = query.detach().to(device=summaries.page_min.device, dtype=torch.float32)  # [L, H_q, d_h]
+    tables = _tables(summaries)
     relative = _ROUNDING_UNITS_PER_DIM * (summaries.head_dim + 1) * _UNIT_ROUNDOFF
-    absolute = (summaries.head_dim + 2) * _SMALLEST_NORMAL
-    page_owner = summaries.page_segment % summaries.num_owners  # [P_total]
-    out = torch.full((summaries.num_pages, q.shape[1]), -math.inf, dtype=torch.float64)
-    for layer, (start, end) in enumerate(_layer_ranges(summaries)):
-        q_pos, q_neg = q[layer].clamp(min=0), q[layer].clamp(max=0)  # [H_q, d_h]
-        raw = high[start:end] @ q_pos.T + low[start:end] @ q_neg.T  # [P_l, H_q]
-        slack = reach[start:end] @ q[layer].abs().T * relative  # [P_l, H_q]
-        reads = page_owner[start:end, None] == owner_of_head[None, :]  # [P_l, H_q]
-        bound = scale * (raw + slack) + absolute
-        out[start:end] = bound.masked_fill(~reads, -math.inf)
-    return out
+    absolute = _UNDERFLOW_TERMS * (summaries.head_dim + 2) * _SMALLEST_NORMAL
+    q_pos, q_neg = q.clamp(min=0), q.clamp(max=0)  # [L, H_q, d_h]
+    low, high, reach = tables.lhr
+    mid: torch.Tensor | None = None
+    if tables.even is not None:  # every layer holds as many pages: one batched product
+        shape = (summaries.num_layers, tables.even, summaries.head_dim)
+        low, high, reach = low.view(shape), high.view(shape), reach.view(shape)
+        raw = high @ q_pos.mT + low @ q_neg.mT  # [L, P_l, H_q]
+        slack = reach @ q.abs().mT * relative  # [L, P_l, H_q]
+        out = (scale * (raw + slack)).reshape(summaries.num_pages, -1).double() + absolute
+        if estimate:
+            mid = (((low + high) @ q.mT) * (0.5 * scale)).reshape(summaries.num_pages, -1)
+    else:
+        out = torch.empty((summaries.num_pages, q.shape[1]), dtype=torch.float64)
+        mid = torch.empty_like(out) if estimate else None
+        for layer, (start, end) in enumerate(tables.ranges):
+            raw = high[start:end] @ q_pos[layer].T + low[start:end] @ q_neg[layer].T  # [P_l, H_q]
+            slack = reach[start:end] @ q[layer].abs().T * relative  # [P_l, H_q]
+            out[start:end] = (scale * (raw + slack)).double() + absolute
+            if mid is not None:
+                mid[start:end] = (low[start:end] + high[start:end]) @ q[layer].T * (0.5 * scale)
+    unread = tables.page_owner[:, None] != owner_of_head[None, :]  # [P_total, H_q]
+    if mid is not None:  # a ranking, not a bound: float32 is enough
+        mid = mid.double().masked_fill_(unread, -math.inf)
+    return out.masked_fill_(unread, -math.inf), mid
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """What every bound of one summaries object reads (float32)."""
+
+    lhr: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # min, max, max(|min|, |max|)
+    page_owner: torch.Tensor  # [P_total] int64
+    ranges: list[tuple[int, int]]  # per layer, [start, end) of its pages
+    even: int | None  # pages per layer when every layer holds as many
+
+
+def _tables(summaries: PageSummaries) -> _Tables:
+    """The float32 tables of `summaries` (`PageSummaries.bound_extents`, computed once)."""
+    ranges = summaries.layer_ranges
+    return _Tables(
+        lhr=summaries.bound_extents,
+        page_owner=summaries.page_segment % summaries.num_owners,
+        ranges=ranges,
+        even=_even(ranges),
+    )
+
+
+def _even(ranges: list[tuple[int, int]]) -> int | None:
+    """Pages per layer when every layer holds as many (and some), else None."""
+    sizes = {end - start for start, end in ranges}
+    size = sizes.pop() if len(sizes) == 1 else 0
+    return size or None
 
 
 def bound_omitted_mass(
@@ -170,24 +259,35 @@ def bound_omitted_mass(
     *,
     live: torch.Tensor | None = None,
     scale: float | None = None,
+    estimate: bool = False,
 ) -> RecallBound:
     """Page bounds and the omitted-mass bound of one decode step.
 
     `retained_lse` `[L, H_q]` is r per layer and query head, computed with the same scale;
     `live` `[P_total]` bool marks the pages still omitted (default: all), so recalled
-    pages stop counting once their rows are visible (and inside r).
+    pages stop counting once their rows are visible (and inside r). `estimate` adds the
+    midpoint ranking (`RecallBound.page_estimate`).
     """
-    page_bound = page_logit_bounds(summaries, query, head_to_owner, scale)  # [P_total, H_q]
+    page_bound, mid = _page_logits(summaries, query, head_to_owner, scale, estimate=estimate)
     r = _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))  # [L, H_q]
     alive = _check_live(live, summaries.num_pages)  # [P_total]
     log_count = summaries.page_count.double().log()  # [P_total]
+    layer_of_page = summaries.page_segment // summaries.num_owners  # [P_total]
+    page_estimate = None
+    if mid is not None:
+        odds = (mid + log_count[:, None] - r[layer_of_page]).amax(dim=1)  # [P_total]
+        page_estimate = odds.masked_fill(~alive, -math.inf)
     terms = (page_bound + log_count[:, None]).masked_fill(~alive[:, None], -math.inf)
-    log_mass = torch.stack(
-        [torch.logsumexp(terms[start:end], dim=0) for start, end in _layer_ranges(summaries)]
-    )  # [L, H_q]
+    ranges = summaries.layer_ranges
+    even = _even(ranges)
+    if even is not None:
+        log_mass = torch.logsumexp(terms.view(summaries.num_layers, even, -1), dim=1)
+    else:
+        log_mass = torch.stack(
+            [torch.logsumexp(terms[start:end], dim=0) for start, end in ranges]
+        )  # [L, H_q]
     log_odds = torch.where(log_mass == -math.inf, -math.inf, log_mass - r)  # [L, H_q]
     denominator = torch.logaddexp(r, log_mass)  # [L, H_q], log(e^r + sum_p n_p e^{b_p})
-    layer_of_page = summaries.page_segment // summaries.num_owners  # [P_total]
     share = torch.where(terms == -math.inf, -math.inf, terms - denominator[layer_of_page])
     return RecallBound(
         page_bound=page_bound,
@@ -196,16 +296,25 @@ def bound_omitted_mass(
         live=alive,
         head_log_odds=log_odds,
         owner_log_odds=_per_owner(log_odds, head_to_owner, summaries.num_owners),
+        page_estimate=page_estimate,
     )
 
 
-def choose_pages(bound: RecallBound, policy: RecallPolicy) -> RecallChoice:
+def choose_pages(
+    bound: RecallBound,
+    policy: RecallPolicy,
+    ranking: Ranking = Ranking.BOUND,
+    min_estimate: float | None = None,
+) -> RecallChoice:
     """Pages to recall this step.
 
     Full recall when the largest owner bound exceeds `full_recall_threshold`: every page
     still omitted. Otherwise, when some owner's bound exceeds `threshold`, the pages of
-    those owners with the largest `page_share`, at most `max_pages_per_step` (ties: the
-    lower page index first). Nothing when no bound exceeds the threshold.
+    those owners ranked first, at most `max_pages_per_step` (ties: the lower page index
+    first): by `page_share` (`Ranking.BOUND`) or by `page_estimate` (`Ranking.MIDPOINT`,
+    which needs a bound computed with `estimate=True`). `min_estimate` (log-odds, midpoint
+    ranking only) drops pages whose estimate is below it. Nothing when no bound exceeds
+    the threshold.
     """
     live = bound.live  # [P_total]
     worst = bound.max_mass_bound
@@ -216,17 +325,21 @@ def choose_pages(bound: RecallBound, policy: RecallPolicy) -> RecallChoice:
         return RecallChoice(pages=pages, triggered=True, full_recall=True, max_mass_bound=worst)
     hot = (bound.owner_log_odds > _logit(policy.threshold)).flatten()  # [L * H_owner]
     candidate = live & hot[bound.page_segment]  # [P_total]
-    ranked = bound.page_share.masked_fill(~candidate, -math.inf)
+    score = bound.page_share
+    if ranking is Ranking.MIDPOINT:
+        if bound.page_estimate is None:
+            raise BoundInputInvalid("ranking", "midpoint ranking needs bound(estimate=True)")
+        score = bound.page_estimate
+        if min_estimate is not None:
+            candidate = candidate & (score >= min_estimate)
+    elif min_estimate is not None:
+        raise BoundInputInvalid("min_estimate", "only the midpoint ranking reads it")
+    ranked = score.masked_fill(~candidate, -math.inf)
     order = torch.sort(ranked, descending=True, stable=True).indices
     take = min(policy.max_pages_per_step, int(candidate.sum()))
     return RecallChoice(
         pages=order[:take], triggered=bool(hot.any()), full_recall=False, max_mass_bound=worst
     )
-
-
-def _layer_ranges(summaries: PageSummaries) -> list[tuple[int, int]]:
-    offsets = summaries.page_offsets
-    return [(int(row[0]), int(row[-1])) for row in offsets]
 
 
 def _scale(scale: float | None, head_dim: int) -> float:

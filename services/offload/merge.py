@@ -200,8 +200,10 @@ def _check_recall_shape(
 def _merge_positions(
     visible: Sequence[int], recalled: Sequence[int], parent: KVPolicyState, field: str
 ) -> list[int]:
+    if not recalled:  # most owners recall nothing: the parent's set is already checked
+        return list(visible)
     added = sorted(recalled)
-    if added and (added[0] < parent.position_origin or added[-1] >= parent.end):
+    if added[0] < parent.position_origin or added[-1] >= parent.end:
         raise RecallMergeInvalid(
             field, f"positions must lie in [{parent.position_origin}, {parent.end})"
         )

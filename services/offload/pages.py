@@ -91,6 +91,19 @@ class PageSummaries:
         return _segment_of_pages(self.page_offsets)
 
     @cached_property
+    def bound_extents(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 min, max and max(|min|, |max|) of every page, what the recall bound
+        reads (min and max are the summaries' own tensors when keys are float32: only the
+        reach is new, computed once).  # 3 x [P_total, d_h]"""
+        low, high = self.page_min.float(), self.page_max.float()
+        return low, high, torch.maximum(low.abs(), high.abs())
+
+    @cached_property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """Per layer, the `[start, end)` of its pages in the flat order."""
+        return [(row[0], row[-1]) for row in self._offsets]
+
+    @cached_property
     def _offsets(self) -> list[list[int]]:
         return [[int(x) for x in row] for row in self.page_offsets.tolist()]
 

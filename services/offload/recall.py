@@ -40,15 +40,27 @@ A step, in order (each numbered step is one public call, so a decode loop other 
    Requests that recalled nothing get the same logits as in the first run.
 6. `end_step(outcome)` counts the step, for every session of the batch.
 
+Deferred recalls (`RecallStrategy`, after the session's first `recompute_steps` steps): step
+3 becomes `start(plan, ...)`, which hands the fetch (and the successor's construction) to a
+background thread and reports FETCHING; step 5 disappears. Before the *next* step runs,
+`collect()` waits for the rows until the recall deadline (counted from the fetch's start),
+publishes the successor through the fence, adopts it and the rows are appended; the step then
+runs once, with them. The decode loop pays no fetch and no second forward; fetches of the
+requests of a batch run side by side on the shared `fetch_pool()`. Rows not back by the
+deadline take the manifest's fallback at that step, exactly like a synchronous recall's.
+
 Cache generations: the session owns its request's, starting at the state's; `end_step` is the
 one place it advances (one for the step's row, one more when the step recalled,
-`cache_generation_after`). A recall's successor carries the generation after the recomputed
-step, and its frontier includes the step's own token. Fetches of several requests in one
-step run one after the other, each with its own deadline.
+`cache_generation_after`). A recall's successor carries the generation after the step that
+first reads its rows (recomputed, or the next one when deferred), and its frontier includes
+that step's token. Synchronous fetches of several requests in one step run one after the
+other, each with its own deadline.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -67,7 +79,13 @@ from services.kvpolicy.state import KVPolicyState
 from services.model.kvcache import DecodeCache, StepCapture
 from services.model.model import CausalLM
 from services.model.runtime import decode_step
-from services.offload.bound import RecallChoice, RecallPolicy, bound_omitted_mass, choose_pages
+from services.offload.bound import (
+    Ranking,
+    RecallChoice,
+    RecallPolicy,
+    bound_omitted_mass,
+    choose_pages,
+)
 from services.offload.errors import (
     BoundInputInvalid,
     RecallFailed,
@@ -97,7 +115,8 @@ class RecallStatus(StrEnum):
     DISABLED = "disabled"  # the manifest omits irrecoverably
     NOT_DUE = "not_due"  # the cadence skips this step, or nothing is omitted any more
     BELOW_THRESHOLD = "below_threshold"  # evaluated: no owner's bound passed the threshold
-    RECALLED = "recalled"  # pages merged and the step recomputed
+    RECALLED = "recalled"  # pages merged (the step recomputed, or applied before it ran)
+    FETCHING = "fetching"  # evaluated: pages asked for in the background, rows at the next step
     CONTINUED_LOSSY = "continued_lossy"  # rows unavailable; the manifest says continue_lossy
     FAILED = "failed"  # rows unavailable (fail_request) or the successor was rejected
 
@@ -118,6 +137,7 @@ class RecallOutcome:
     reason: str | None = None  # why the rows did not come back
     timed_out: bool = False
     successor: KVPolicyState | None = None  # the state a recall published
+    fetching: tuple[PageRef, ...] = ()  # pages this step asked for in the background
 
     @property
     def evaluated(self) -> bool:
@@ -171,6 +191,85 @@ class _SuccessorRejected(Exception):
     """`on_successor` raised something other than RecallUnavailable."""
 
 
+@dataclass(frozen=True)
+class RecallStrategy:
+    """How the engine recalls within the contract's knobs (an engine setting: the manifest
+    still bounds pages per step, cadence, deadline and fallback). When rows reach attention:
+
+    `recompute_steps`: the session's first steps (counted from 0) whose recall is fetched
+    on the decode thread and recomputes the step, so the rows answer that very step (the
+    cue of a follow-up turn); None: every step. Later recalls are *deferred*: the fetch
+    runs on `executor`'s threads while the decode loop goes on, and its rows are merged
+    before the next step runs (its outcome is RECALLED at that step; the step that asked
+    reports FETCHING). The next step waits for the rows at most until the recall deadline
+    (counted from the fetch's start), then takes the manifest's fallback.
+    """
+
+    recompute_steps: int | None = None
+    # Pages per deferred step at most (None: the contract's `max_pages_per_step`; never
+    # more): a burst at the recomputed first steps, then a trickle.
+    deferred_pages: int | None = None
+    # How candidate pages are ordered, and (midpoint only) the estimate's log-odds floor
+    # below which a page is not fetched (steps whose queries look nowhere omitted fetch
+    # nothing).
+    ranking: Ranking = Ranking.BOUND
+    min_estimate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_estimate is not None and self.ranking is not Ranking.MIDPOINT:
+            raise BoundInputInvalid("min_estimate", "only the midpoint ranking reads it")
+        if self.recompute_steps is not None and self.recompute_steps < 0:
+            raise BoundInputInvalid(
+                "recompute_steps", f"must be >= 0 or None, got {self.recompute_steps}"
+            )
+        if self.deferred_pages is not None and self.deferred_pages < 1:
+            raise BoundInputInvalid(
+                "deferred_pages", f"must be positive or None, got {self.deferred_pages}"
+            )
+
+    def recomputes(self, step: int) -> bool:
+        return self.recompute_steps is None or step < self.recompute_steps
+
+
+RECOMPUTE_ALWAYS = RecallStrategy()
+# The first step (the one that reads the cue) recomputes, every later recall is fetched in
+# the background and applied a step later.
+DEFERRED_AFTER_FIRST = RecallStrategy(recompute_steps=1)
+# What the decode worker runs (`decode_worker.recall`): see docs/results/recall-smollm2.
+WORKER_STRATEGY = DEFERRED_AFTER_FIRST
+_POOL_LOCK = threading.Lock()
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def fetch_pool() -> concurrent.futures.Executor:
+    """The process's shared fetch threads (deferred recalls of every session; created on
+    first use). Fetches of the requests of one batch run side by side on it."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(
+                concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="recall")
+            )
+        return _POOL[0]
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """What a background fetch brought: checked pages and the successor built on them."""
+
+    pages: tuple[RecalledPage, ...]
+    successor: KVPolicyState
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A deferred recall in flight: its plan's outcome, the future and its start time."""
+
+    outcome: RecallOutcome
+    future: concurrent.futures.Future[_Fetched]
+    started: float
+
+
 class RecallSession:
     """Recall for one request on the decode side (runtime state, not thread-safe).
 
@@ -192,8 +291,13 @@ class RecallSession:
         state: KVPolicyState,
         on_successor: SuccessorHook | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        strategy: RecallStrategy = RECOMPUTE_ALWAYS,
+        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         contract = manifest.recoverability
+        self.strategy = strategy
+        self._executor = executor
+        self._pending: _Pending | None = None
         self.request_id = state.request_id
         self.policy = RecallPolicy.from_contract(contract) if contract.recallable else None
         self.timeout_s = (contract.recall_timeout_ms or 0) / 1000.0
@@ -219,9 +323,90 @@ class RecallSession:
     def live_pages(self) -> int:
         return int(self._live.sum())
 
+    @property
+    def pending(self) -> bool:
+        """A deferred recall is in flight (its rows are merged before the next step)."""
+        return self._pending is not None
+
     def due(self) -> bool:
-        """Whether this step evaluates the bound (cadence, and some page still omitted)."""
-        return self.policy is not None and self.policy.due(self.steps) and bool(self._live.any())
+        """Whether this step evaluates the bound (cadence, some page still omitted, no
+        deferred recall in flight)."""
+        return (
+            self.policy is not None
+            and self._pending is None
+            and self.policy.due(self.steps)
+            and bool(self._live.any())
+        )
+
+    def defers(self) -> bool:
+        """Whether a recall planned at this step is fetched in the background."""
+        return not self.strategy.recomputes(self.steps)
+
+    def start(self, plan: RecallPlan, cache: DecodeCache, *, recalled_now: bool) -> RecallOutcome:
+        """Deferred step 3: start fetching the planned pages in the background, after this
+        step's row is in (`recalled_now`: this step also merged a recall). Returns the
+        step's outcome (FETCHING, or the plan's when there is nothing to fetch); `collect`
+        at the next step merges the rows."""
+        base = plan.outcome
+        if not plan.pages:
+            return base
+        # The rows land before the next step runs: the successor describes the cache once
+        # that step is in, as a recomputed recall's does (one more token, two generations).
+        next_step = cache_generation_after(self.cache_generation, recalled=recalled_now)
+        generation = cache_generation_after(next_step, recalled=True)
+        frontier = self._frontier_after_step(cache) + 1
+        state = self.state
+        executor = self._executor or fetch_pool()
+        future = executor.submit(self._fetch_in_background, plan.pages, state, generation, frontier)
+        self._pending = _Pending(base, future, self._clock())
+        return replace(base, status=RecallStatus.FETCHING, pages=(), fetching=plan.pages)
+
+    def collect(self) -> RecallResult:
+        """Deferred steps 3 and 4, before the step after `start`: wait for the rows until
+        the recall deadline, publish the successor through `on_successor`, adopt it. Rows
+        that did not come back in time take the manifest's fallback (a late answer is
+        dropped, never merged)."""
+        pending = self._pending
+        assert pending is not None, "collect() without a deferred recall in flight"
+        self._pending = None
+        base = replace(pending.outcome, step=self.steps)
+        remaining = max(self.timeout_s - (self._clock() - pending.started), 0.0)
+        try:
+            fetched = pending.future.result(timeout=remaining)
+            self._publish(fetched.successor)
+        except concurrent.futures.TimeoutError:
+            pending.future.cancel()
+            late = RecallUnavailable(
+                f"rows not back {self.timeout_s * 1000:.0f} ms after the fetch started "
+                "(the recall deadline)",
+                timed_out=True,
+            )
+            return RecallResult(self._unavailable(base, late, self._clock() - pending.started))
+        except RecallUnavailable as exc:
+            return RecallResult(self._unavailable(base, exc, self._clock() - pending.started))
+        except _SuccessorRejected as exc:
+            return RecallResult(replace(base, status=RecallStatus.FAILED, reason=str(exc)))
+        rows, nbytes = self._adopt(fetched.successor, fetched.pages)
+        outcome = replace(
+            base,
+            status=RecallStatus.RECALLED,
+            rows=rows,
+            nbytes=nbytes,
+            latency_s=fetched.latency_s,
+            successor=fetched.successor,
+        )
+        return RecallResult(outcome, fetched.pages)
+
+    def _fetch_in_background(
+        self, refs: tuple[PageRef, ...], state: KVPolicyState, generation: int, frontier: int
+    ) -> _Fetched:
+        """On a fetch thread: the rows, checked, and the successor built on them (pure: the
+        session's own fields are only touched by `collect`, on the decode thread)."""
+        started = self._clock()
+        pages = self._fetch_pages(refs)
+        latency = self._clock() - started
+        _check_deadline(latency, self.timeout_s)
+        return _Fetched(pages, self._build_successor(state, pages, generation, frontier), latency)
 
     def decode_step(self, model: CausalLM, cache: DecodeCache, token: int) -> RecallStep:
         """One step of this request alone in `cache`; raises RecallFailed when it fails."""
@@ -245,10 +430,16 @@ class RecallSession:
     ) -> RecallChoice:
         """Pages to recall given one step's queries `[L, H_q, d_h]` and r `[L, H_q]`."""
         assert self.policy is not None and self.summaries is not None
+        strategy = self.strategy
+        midpoint = strategy.ranking is Ranking.MIDPOINT
         bound = bound_omitted_mass(
-            self.summaries, query, lse, head_to_owner, live=self._live, scale=scale
+            self.summaries, query, lse, head_to_owner, live=self._live, scale=scale,
+            estimate=midpoint,
         )
-        return choose_pages(bound, self.policy)
+        policy, cap = self.policy, strategy.deferred_pages
+        if cap is not None and self.defers() and cap < policy.max_pages_per_step:
+            policy = replace(policy, max_pages_per_step=cap)
+        return choose_pages(bound, policy, strategy.ranking, strategy.min_estimate)
 
     def plan(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache) -> RecallPlan:
         """Step 2: bound and choose for the step just run, from its captured queries
@@ -312,22 +503,32 @@ class RecallSession:
 
     def _successor(self, pages: tuple[RecalledPage, ...], frontier: int) -> KVPolicyState:
         """State s + 1 for the cache after the recomputed step; published via the hook."""
-        state = self.state
+        after = cache_generation_after(self.cache_generation, recalled=True)
+        successor = self._build_successor(self.state, pages, after, frontier)
+        self._publish(successor)
+        return successor
+
+    @staticmethod
+    def _build_successor(
+        state: KVPolicyState, pages: tuple[RecalledPage, ...], generation: int, frontier: int
+    ) -> KVPolicyState:
         grid = recalled_position_grid(
             pages, state.num_layers, state.num_owners, origin=state.position_origin
         )
-        after = cache_generation_after(self.cache_generation, recalled=True)
-        successor = recall_successor(state, grid, cache_generation=after, frontier=frontier)
-        if self._on_successor is not None:
-            try:
-                self._on_successor(successor)
-            except RecallUnavailable:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a rejected state fails this request only
-                raise _SuccessorRejected(
-                    f"successor state rejected: {type(exc).__name__}: {exc}"
-                ) from exc
-        return successor
+        return recall_successor(state, grid, cache_generation=generation, frontier=frontier)
+
+    def _publish(self, successor: KVPolicyState) -> None:
+        """Hand `successor` to `on_successor` (the fence) before the session adopts it."""
+        if self._on_successor is None:
+            return
+        try:
+            self._on_successor(successor)
+        except RecallUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a rejected state fails this request only
+            raise _SuccessorRejected(
+                f"successor state rejected: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _adopt(self, successor: KVPolicyState, pages: tuple[RecalledPage, ...]) -> tuple[int, int]:
         """Take the successor and mark the pages recalled; returns their rows and bytes."""
@@ -366,17 +567,37 @@ def decode_with_recall(
     not stop the batch: its logits row is the lossy one and the caller ends that request.
     """
     slots = _session_slots(cache, sessions)
-    due = {request_id: s for request_id, s in sessions.items() if s.due()}
+    outcomes: dict[str, RecallOutcome] = {}
+    for request_id, session in sessions.items():  # deferred recalls: rows before the step
+        if session.pending:
+            result = session.collect()
+            outcomes[request_id] = result.outcome
+            if result.pages:
+                merge_into_cache(cache, request_id, result.pages)
+    due = {
+        request_id: s
+        for request_id, s in sessions.items()
+        if s.due() and not _failed(outcomes.get(request_id))
+    }
     capture = StepCapture() if due else None
     logits = decode_step(model, cache, tokens, capture)
-    outcomes = {rid: s.skipped() for rid, s in sessions.items() if rid not in due}
+    for rid, s in sessions.items():
+        if rid not in due and rid not in outcomes:
+            outcomes[rid] = s.skipped()
     recalls: dict[str, tuple[RecalledPage, ...]] = {}
     for request_id, session in due.items():
         assert capture is not None
         slot = slots[request_id]
         plan = session.plan(capture.query(slot), capture.log_sum_exp(slot), cache)
+        collected = outcomes.get(request_id)
+        if session.defers():
+            started = session.start(
+                plan, cache, recalled_now=collected is not None and collected.recalled
+            )
+            outcomes[request_id] = _combine(collected, started)
+            continue
         result = session.recall(plan, cache)
-        outcomes[request_id] = result.outcome
+        outcomes[request_id] = _combine(collected, result.outcome)
         if result.pages:
             recalls[request_id] = result.pages
     if recalls:
@@ -387,6 +608,18 @@ def decode_with_recall(
     for request_id, session in sessions.items():
         session.end_step(outcomes[request_id])
     return RecallStep(logits, outcomes, recomputed=bool(recalls))
+
+
+def _failed(outcome: RecallOutcome | None) -> bool:
+    return outcome is not None and outcome.status is RecallStatus.FAILED
+
+
+def _combine(collected: RecallOutcome | None, planned: RecallOutcome) -> RecallOutcome:
+    """One step's outcome when it both merged a deferred recall (`collected`) and planned:
+    the collected one (that is what changed the cache), naming the pages now in flight."""
+    if collected is None:
+        return planned
+    return replace(collected, fetching=planned.fetching, mass_bound=planned.mass_bound)
 
 
 def merge_into_cache(cache: DecodeCache, request_id: str, pages: Sequence[RecalledPage]) -> None:

@@ -13,10 +13,12 @@ from hypothesis.extra import numpy as hnp
 
 from services.kvpolicy.manifest import RecoverabilityContract
 from services.offload.bound import (
+    Ranking,
     RecallPolicy,
     bound_omitted_mass,
     choose_pages,
     page_logit_bounds,
+    page_midpoint_logits,
 )
 from services.offload.errors import BoundInputInvalid
 from services.offload.pages import PageRef, PageSummaries, summarize_pages
@@ -254,3 +256,86 @@ def test_bound_inputs_are_checked() -> None:
         with pytest.raises(BoundInputInvalid) as info:
             call()
         assert info.value.field == field
+
+
+# --- midpoint ranking --------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_midpoint_estimate_is_the_box_centre_logit_on_both_product_paths(case: Case) -> None:
+    pages = case.pages
+    estimate = page_midpoint_logits(pages, case.query, case.head_to_owner)  # [P, H_q]
+    bounds = page_logit_bounds(pages, case.query, case.head_to_owner)
+    scale = pages.head_dim**-0.5
+    for p in range(pages.num_pages):
+        ref = pages.page_ref(p)
+        centre = (pages.page_min[p].double() + pages.page_max[p].double()) / 2  # [d_h]
+        for head, owner in enumerate(case.head_to_owner):
+            if owner != ref.owner:
+                assert estimate[p, head] == -math.inf
+                continue
+            expected = float(case.query[ref.layer, head].double() @ centre) * scale
+            assert float(estimate[p, head]) == pytest.approx(expected, rel=1e-5, abs=1e-5)  # float32
+            assert estimate[p, head] <= bounds[p, head]  # the centre lies in the box
+
+
+def _even_and_uneven() -> tuple[PageSummaries, PageSummaries, torch.Tensor]:
+    """The same keys paged with every layer holding as many pages, and not."""
+    generator = torch.Generator().manual_seed(4)
+    keys = torch.randn(3, 2, 16, 4, generator=generator)  # [L, H_kv, T, d_h]
+    even = [[[0, 1], [0, 2]] for _ in range(3)]
+    uneven = [[[0, 1], [0, 2]], [[0, 1, 2, 3, 4, 5], [0]], [[0], [0, 9]]]
+    query = torch.randn(3, 4, 4, generator=generator)  # [L, H_q, d_h]
+    return summarize_pages(keys, even, 3), summarize_pages(keys, uneven, 3), query
+
+
+def test_batched_and_per_layer_products_agree() -> None:
+    even, uneven, query = _even_and_uneven()
+    heads = [0, 0, 1, 1]
+    assert len({end - start for start, end in even.layer_ranges}) == 1
+    assert len({end - start for start, end in uneven.layer_ranges}) > 1
+    for pages in (even, uneven):
+        scale = pages.head_dim**-0.5
+        bounds = page_logit_bounds(pages, query, heads)
+        for p in range(pages.num_pages):
+            ref = pages.page_ref(p)
+            low, high = pages.page_min[p].double(), pages.page_max[p].double()
+            for head in (2 * ref.owner, 2 * ref.owner + 1):
+                q = query[ref.layer, head].double()
+                raw = float(q.clamp(min=0) @ high + q.clamp(max=0) @ low) * scale
+                assert float(bounds[p, head]) == pytest.approx(raw, rel=1e-4, abs=1e-4)
+                assert float(bounds[p, head]) >= raw
+
+
+def test_midpoint_ranking_prefers_a_tight_hot_page_over_a_wide_box() -> None:
+    keys = torch.zeros(1, 1, 8, 2)  # [L, H_kv, T, d_h]
+    keys[0, 0, 2] = torch.tensor([2.0, 0.0])  # page 0 (2, 3): tight, centre logit high
+    keys[0, 0, 3] = torch.tensor([2.0, 0.0])
+    keys[0, 0, 4] = torch.tensor([5.0, 0.0])  # page 1 (4, 5): wide, one far key each way
+    keys[0, 0, 5] = torch.tensor([-5.0, 0.0])
+    pages = summarize_pages(keys, [[[0, 1, 6, 7]]], page_size=2)
+    query = torch.tensor([[[1.0, 0.0]]])  # [L, H_q, d_h]
+    r = torch.zeros(1, 1)
+    bound = bound_omitted_mass(pages, query, r, [0], estimate=True)
+    policy = RecallPolicy(threshold=0.0, max_pages_per_step=1)
+    assert choose_pages(bound, policy).pages.tolist() == [1]  # the bound: the wide box
+    assert choose_pages(bound, policy, Ranking.MIDPOINT).pages.tolist() == [0]
+    assert bound.page_estimate is not None
+    floor = float(bound.page_estimate[0]) + 1e-6  # above every page: nothing passes
+    assert choose_pages(bound, policy, Ranking.MIDPOINT, floor).pages.numel() == 0
+    dead = bound_omitted_mass(pages, query, r, [0], live=torch.tensor([False, True]),
+                              estimate=True)
+    assert choose_pages(dead, policy, Ranking.MIDPOINT).pages.tolist() == [1]
+
+
+def test_midpoint_ranking_needs_the_estimate_and_the_floor_needs_the_midpoint() -> None:
+    pages, query, head_to_owner = _two_owner_step()
+    bound = bound_omitted_mass(pages, query, torch.zeros(1, 4), head_to_owner)
+    policy = RecallPolicy(threshold=0.0, max_pages_per_step=1)
+    with pytest.raises(BoundInputInvalid) as info:
+        choose_pages(bound, policy, Ranking.MIDPOINT)
+    assert info.value.field == "ranking"
+    with pytest.raises(BoundInputInvalid) as info:
+        choose_pages(bound, policy, Ranking.BOUND, -1.0)
+    assert info.value.field == "min_estimate"

@@ -3,6 +3,7 @@ dense masked-attention reference, fallbacks, cadence, page limits, successor sta
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -23,7 +24,8 @@ from services.model import DecodeCache, PrefillOptions, PrefillResult, decode_st
 from services.model.config import make_tensor_contract, parse_model_config
 from services.model.kvcache import StepCapture
 from services.model.model import CausalLM
-from services.offload.errors import RecallFailed, RecallUnavailable
+from services.offload.bound import Ranking, page_midpoint_logits
+from services.offload.errors import BoundInputInvalid, RecallFailed, RecallUnavailable
 from services.offload.pages import (
     OmittedRows,
     PageRef,
@@ -36,6 +38,7 @@ from services.offload.recall import (
     RecallKnobs,
     RecallSession,
     RecallStatus,
+    RecallStrategy,
     cache_generation_after,
     decode_with_recall,
     merge_into_cache,
@@ -538,3 +541,212 @@ def test_recalled_rows_land_at_their_original_positions() -> None:
             assert sorted(positions.tolist()) == list(range(tokens))
             for key, value, t in zip(keys, values, positions.tolist(), strict=True):
                 assert torch.equal(key, k[layer, head, t]) and torch.equal(value, v[layer, head, t])
+
+
+# --- deferred recall: fetched in the background, applied before the next step ------------
+
+DEFERRED = RecallStrategy(recompute_steps=0)
+
+
+class GatedFetcher:
+    """A store fetcher whose answers wait for `gate` (bounded), recording the fetch threads."""
+
+    def __init__(self, rows: OmittedRows, gate: threading.Event | None = None) -> None:
+        self.inner = StoreFetcher(rows)
+        self.gate = gate
+        self.threads: list[str] = []
+
+    def __call__(self, refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
+        self.threads.append(threading.current_thread().name)
+        if self.gate is not None:
+            assert self.gate.wait(timeout=10.0), "the test never opened the gate"
+        return self.inner(refs, timeout_s)
+
+
+def deferred_session(
+    compressed: Compressed, fetch: object, **kwargs: object
+) -> RecallSession:
+    return RecallSession(
+        compressed.manifest, compressed.summaries, fetch,  # type: ignore[arg-type]
+        state=compressed.state, strategy=kwargs.pop("strategy", DEFERRED), **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def test_deferred_rows_answer_the_next_step_without_recomputing(model: CausalLM) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=3, cadence_steps=1)
+    compressed = compress(model, knobs, seed=1)
+    fetch = GatedFetcher(compressed.rows)
+    session = deferred_session(compressed, fetch)
+    cache = view_cache(model, compressed)
+    reference = MaskedDense(model, compressed)
+    token, asked = compressed.first_token, ()
+    for index in range(STEPS):
+        step = decode_with_recall(model, cache, [token], {"req": session})
+        outcome = step.outcomes["req"]
+        assert not step.recomputed
+        if index == 0:
+            assert outcome.status is RecallStatus.FETCHING and outcome.pages == ()
+        else:  # the pages asked for at the previous step are in before this one ran
+            assert outcome.status is RecallStatus.RECALLED and outcome.pages == asked
+            reference.reveal(outcome.pages, compressed.summaries)
+        assert 0 < len(outcome.fetching) <= 3
+        asked = outcome.fetching
+        torch.testing.assert_close(step.logits[0], reference.step(token), atol=ATOL, rtol=0)
+        token = int(step.logits[0].argmax())
+    assert all(name.startswith("recall") for name in fetch.threads)  # never the decode thread
+    assert session.pending
+
+
+def test_a_deferred_successor_names_the_cache_once_its_rows_are_in(model: CausalLM) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=2, cadence_steps=1)
+    compressed = compress(model, knobs)
+    published: list[KVPolicyState] = []
+    session = deferred_session(compressed, GatedFetcher(compressed.rows), on_successor=published.append)
+    cache = view_cache(model, compressed)
+    token, start = compressed.first_token, compressed.state.cache_generation
+    outcomes = []
+    for _ in range(3):
+        step = decode_with_recall(model, cache, [token], {"req": session})
+        outcomes.append(step.outcomes["req"])
+        token = int(step.logits[0].argmax())
+    assert [o.status for o in outcomes] == [RecallStatus.FETCHING, *[RecallStatus.RECALLED] * 2]
+    assert [o.successor for o in outcomes[1:]] == published and len(published) == 2
+    for index, state in enumerate(published, start=1):
+        # applied before step `index` ran; its row is in once that step is: frontier and
+        # generation match the cache after that step (+1 per step, +1 per recall)
+        assert state.frontier == PROMPT + index + 1
+        assert state.cache_generation == start + (index + 1) + index
+        assert state.state_generation == compressed.state.state_generation + index
+    assert session.cache_generation == published[-1].cache_generation
+    assert session.state == published[-1]
+    assert int(cache.frontier()[0]) == PROMPT + 3
+
+
+@pytest.mark.parametrize("fallback", list(TimeoutFallback))
+def test_rows_not_back_by_the_deadline_take_the_fallback_and_are_never_merged(
+    model: CausalLM, fallback: TimeoutFallback
+) -> None:
+    knobs = replace(ALL_AT_ONCE, timeout_ms=50, fallback=fallback)
+    compressed = compress(model, knobs)
+    gate = threading.Event()
+    fetch = GatedFetcher(compressed.rows, gate)
+    session = deferred_session(compressed, fetch)
+    cache = view_cache(model, compressed)
+    try:
+        first = decode_with_recall(model, cache, [compressed.first_token], {"req": session})
+        assert first.outcomes["req"].status is RecallStatus.FETCHING
+        token = int(first.logits[0].argmax())
+        second = decode_with_recall(model, cache, [token], {"req": session})
+    finally:
+        gate.set()  # the late answer arrives after the step gave up on it
+    outcome = second.outcomes["req"]
+    expected = (
+        RecallStatus.CONTINUED_LOSSY
+        if fallback is TimeoutFallback.CONTINUE_LOSSY
+        else RecallStatus.FAILED
+    )
+    assert outcome.status is expected and outcome.timed_out
+    assert "recall deadline" in (outcome.reason or "") and outcome.successor is None
+    assert session.state == compressed.state
+    assert session.live_pages == compressed.summaries.num_pages  # nothing merged
+    lossy = greedy(model, view_cache(model, compressed), compressed.first_token, steps=2)
+    assert torch.equal(second.logits[0], lossy[1])
+    if fallback is TimeoutFallback.CONTINUE_LOSSY:
+        assert outcome.fetching  # asked again at once
+    else:
+        assert not outcome.fetching and not session.pending  # a failed request asks nothing
+
+
+def test_a_deferred_fetch_that_fails_continues_lossy_and_asks_again(model: CausalLM) -> None:
+    compressed = compress(model, ALL_AT_ONCE)
+    session = deferred_session(compressed, FailingFetcher(compressed.rows, failures=1))
+    cache = view_cache(model, compressed)
+    token, statuses = compressed.first_token, []
+    for _ in range(3):
+        step = decode_with_recall(model, cache, [token], {"req": session})
+        statuses.append(step.outcomes["req"].status)
+        token = int(step.logits[0].argmax())
+    assert statuses == [
+        RecallStatus.FETCHING, RecallStatus.CONTINUED_LOSSY, RecallStatus.RECALLED
+    ]
+    assert session.live_pages == 0 and session.state.state_generation == 2
+
+
+def test_deferred_fetches_of_a_batch_run_side_by_side(model: CausalLM) -> None:
+    one, two = compress(model, ALL_AT_ONCE), compress(model, ALL_AT_ONCE, seed=5)
+    both = threading.Barrier(2, timeout=10.0)  # each fetch returns only once both started
+
+    class Meeting(GatedFetcher):
+        def __call__(self, refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
+            both.wait()
+            return super().__call__(refs, timeout_s)
+
+    sessions = {
+        "req": deferred_session(one, Meeting(one.rows)),
+        "other": RecallSession(
+            two.manifest, two.summaries, Meeting(two.rows),
+            state=replace(two.state, request_id="other"), strategy=DEFERRED,
+        ),
+    }
+    cache = view_cache(model, one)
+    cache.admit_view("other", two.view, frontier=PROMPT)
+    cache.admit_view("plain", two.view, frontier=PROMPT)  # no session: never waits for recall
+    tokens = [one.first_token, two.first_token, two.first_token]
+    decode_with_recall(model, cache, tokens, sessions)
+    step = decode_with_recall(model, cache, tokens, sessions)
+    assert {rid: o.status for rid, o in step.outcomes.items()} == {
+        "req": RecallStatus.RECALLED, "other": RecallStatus.RECALLED,
+    }
+    alone = view_cache(model, two, request_id="plain")  # the same two tokens, no recall
+    decode_step(model, alone, [two.first_token])
+    expected = decode_step(model, alone, [two.first_token])[0]
+    torch.testing.assert_close(step.logits[2], expected, atol=ATOL, rtol=0)
+
+
+def test_recompute_steps_then_deferred_and_the_deferred_page_cap(model: CausalLM) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=4, cadence_steps=1)
+    compressed = compress(model, knobs)
+    strategy = RecallStrategy(recompute_steps=1, deferred_pages=1)
+    session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+    cache = view_cache(model, compressed)
+    token, outcomes, recomputed = compressed.first_token, [], []
+    for _ in range(3):
+        step = decode_with_recall(model, cache, [token], {"req": session})
+        outcomes.append(step.outcomes["req"])
+        recomputed.append(step.recomputed)
+        token = int(step.logits[0].argmax())
+    assert recomputed == [True, False, False]
+    assert outcomes[0].status is RecallStatus.RECALLED and len(outcomes[0].pages) == 4
+    assert len(outcomes[1].fetching) == 1 and outcomes[1].status is RecallStatus.FETCHING
+    assert outcomes[2].status is RecallStatus.RECALLED and len(outcomes[2].pages) == 1
+
+
+def test_midpoint_ranking_through_the_session_fetches_what_the_estimate_ranks_first(
+    model: CausalLM,
+) -> None:
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=2, cadence_steps=1)
+    compressed = compress(model, knobs)
+    strategy = RecallStrategy(ranking=Ranking.MIDPOINT)
+    session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+    cache = view_cache(model, compressed)
+    capture = StepCapture()
+    decode_step(model, cache, [compressed.first_token], capture)
+    plan = session.plan(capture.query(0), capture.log_sum_exp(0), cache)
+    summaries = compressed.summaries
+    estimate = page_midpoint_logits(summaries, capture.query(0), cache.head_to_owner, cache.scale)
+    layer_of = summaries.page_segment // summaries.num_owners
+    odds = (estimate + summaries.page_count.double().log()[:, None]
+            - capture.log_sum_exp(0).double()[layer_of]).amax(dim=1)
+    best = torch.sort(odds, descending=True, stable=True).indices[:2].tolist()
+    assert [summaries.global_index(ref) for ref in plan.pages] == best
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"recompute_steps": -1}, "recompute_steps"), ({"deferred_pages": 0}, "deferred_pages"),
+     ({"min_estimate": -3.0}, "min_estimate")],
+)
+def test_strategy_rejects_bad_settings(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(BoundInputInvalid) as info:
+        RecallStrategy(**kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field

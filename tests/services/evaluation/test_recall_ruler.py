@@ -1,0 +1,95 @@
+"""`kvrelay eval recall --suite ruler`: the summary's arithmetic on hand-made rows, and a smoke
+run on the real SmolLM2-135M checkpoint (256-token prompts, two recall strategies)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.evaluation.recall_ruler import (
+    PRESETS,
+    TODAY,
+    RecallVariant,
+    Row,
+    goal_lines,
+    load_rows,
+    report_tables,
+    run,
+    summarize,
+)
+from services.model.default import default_checkpoint
+from services.offload.recall import RecallKnobs, RecallStrategy
+
+torch.set_num_threads(1)
+
+
+def row(policy: str, budget: float | None, score: float, batch: int = 2, **kwargs: object) -> Row:
+    return Row(engine=str(kwargs.pop("engine", "kvrelay")), policy=policy, budget=budget,
+               task="niah_single/noise", length=4096, index=int(kwargs.pop("index", 0)), seed=1,
+               batch=batch, score=score, output="", **kwargs)  # type: ignore[arg-type]
+
+
+def test_summary_gap_closed_recalled_share_tpot_and_best_press() -> None:
+    steps = {"step_s": (0.1, 0.1), "step_cpu_s": (0.1, 0.1)}
+    rows = [
+        row("full", None, 1.0, **steps), row("full", None, 1.0, index=1, **steps),
+        row("snapkv", 0.25, 0.0, omitted_rows=1000, **steps),
+        row("snapkv", 0.25, 0.5, index=1, omitted_rows=1000, **steps),
+        row("snapkv+today", 0.25, 1.0, omitted_rows=1000, recalled_rows=30, recalls=3,
+            recalled_bytes=3072, fetch_s=(0.002,), step_s=(0.12, 0.12), step_cpu_s=(0.2, 0.2)),
+        row("snapkv+today", 0.25, 1.0, index=1, omitted_rows=1000, recalled_rows=10,
+            step_s=(0.12, 0.12), step_cpu_s=(0.2, 0.2)),
+        row("snapkv", 0.25, 0.0, batch=1, step_s=(0.1,), step_cpu_s=(0.1,)),
+        row("snapkv+today", 0.25, 1.0, batch=1, step_s=(0.11,), step_cpu_s=(0.12,)),
+        row("kvpress:snapkv", 0.25, 0.5, batch=1, engine="kvpress"),
+        row("kvpress:expected_attention", 0.25, 0.75, batch=1, engine="kvpress"),
+    ]
+    cells = {(c.policy, c.budget): c for c in summarize(rows, batch=2)}
+    recall = cells["snapkv+today", 0.25]
+    assert recall.requests == 2 and recall.accuracy == 1.0
+    assert recall.recalled_share == pytest.approx(40 / 2000)
+    assert recall.recalled_kib == pytest.approx(1.5) and recall.recalls == 1.5
+    assert recall.tpot_ms == pytest.approx(120) and recall.tpot1_ms == pytest.approx(110)
+    assert recall.cpu_ms == pytest.approx(200) and recall.cpu1_ms == pytest.approx(120)
+    assert cells["kvpress:expected_attention", 0.25].tpot_ms is None
+    tables = report_tables(list(cells.values()), ["today"], batch=2)
+    assert "| niah_single/noise | 4096 | 25% | 100% | 25% | 100% | 100% | expected_attention 75% |" \
+        in tables
+    goals = goal_lines(list(cells.values()), "today")
+    assert goals[0].startswith("- gap closed >= 90%: 1 of 1")
+    assert "recalled <= 5% of omitted rows: 1 of 1" in goals[1]
+    assert "batch 1 1 of 1 cells (worst 1.20x), batch b 0 of 1 (worst 2.00x)" in goals[2]
+    assert goals[3].endswith("1 of 1 cells")
+
+
+def test_rows_round_trip_through_the_results_file(tmp_path: Path) -> None:
+    rows = [row("snapkv+today", 0.25, 1.0, fetch_s=(0.001, 0.002), step_s=(0.1,),
+                step_cpu_s=(0.2,)), row("full", None, 0.5, engine="kvpress")]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+    assert load_rows(path) == rows
+
+
+@pytest.mark.slow
+def test_smoke_run_on_smollm2_writes_the_report(tmp_path: Path) -> None:
+    deferred = RecallVariant("deferred", RecallKnobs(0.99, 8, 8, 1), RecallStrategy(1))
+    config = replace(PRESETS["smoke"], variants=(TODAY, deferred))
+    report = run(default_checkpoint(), config, tmp_path, threads=1, kvpress=False)
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    # policies: full + snapkv + 2 recall variants at one budget; 2 prompts as one batch, the
+    # first alone again
+    assert len(rows) == len(report.rows) == 4 * 3
+    full = [r for r in rows if r["policy"] == "full"]
+    assert all(r["score"] == 1.0 for r in full), full  # SmolLM2 finds a needle at 256 tokens
+    for name in ("snapkv+today", "snapkv+deferred"):
+        recalled = [r for r in rows if r["policy"] == name]
+        assert all(0 < r["recalled_rows"] < r["omitted_rows"] for r in recalled), recalled
+        assert all(r["recalled_bytes"] > 0 and len(r["fetch_s"]) == r["recalls"] for r in recalled)
+    assert all(r["recalled_rows"] == 0 for r in rows if r["policy"] in ("full", "snapkv"))
+    text = (tmp_path / "report.md").read_text()
+    assert "## Goals (this run)" in text and "+deferred" in text and "snapkv / recall" in text
