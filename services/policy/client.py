@@ -100,7 +100,9 @@ class PolicyClientConfig:
 
     target: str
     timeout_s: float = 2.0
-    max_attempts: int = 4
+    # Enough attempts to outlast gRPC's reconnect backoff (at most 1 s, `client_channel_options`)
+    # after a replica restarts: their jittered delays add up to about 1 s (at most 2.2 s).
+    max_attempts: int = 8
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 0.5
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
