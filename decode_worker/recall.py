@@ -13,9 +13,11 @@ when and what to recall; this module plugs it into the worker.
     SuccessorPublisher   compare-and-publish of the successor state at the policy service
 
 Both remote calls run on the worker's event loop (gRPC aio and the policy client live
-there); the fetcher and the publisher are called from the decode loop thread and wait for
-them with deadlines, so a prefill worker that is gone costs one recall deadline, never a
-hang. A failure to bring rows back raises `RecallUnavailable` (the engine then takes the
+there). Sessions recall with `WORKER_STRATEGY`: after the first step a fetch runs on the
+recall engine's fetch threads while the decode loop goes on (its rows join the next step;
+the fetches of a batch's requests overlap), and only the publisher is called from the decode
+loop thread; both wait with deadlines, so a prefill worker that is gone costs one recall
+deadline, never a hang. A failure to bring rows back raises `RecallUnavailable` (the engine then takes the
 manifest's fallback); an answer for another generation than asked is rejected the same way.
 """
 
@@ -42,7 +44,7 @@ from services.kvpolicy.state import KVPolicyState
 from services.offload.errors import RecallUnavailable
 from services.offload.fetchers import LocalPageFetcher
 from services.offload.pages import PageRef, RecalledPage
-from services.offload.recall import PageFetcher, RecallSession
+from services.offload.recall import WORKER_STRATEGY, PageFetcher, RecallSession
 from services.policy import PolicyClient, PolicyUnavailable, StaleGeneration, StatePublication
 from services.policy.types import Phase
 from services.rpc.kvrelay.v1 import offload_pb2_grpc
@@ -152,7 +154,8 @@ class RemotePageFetcher:
 
 
 class SuccessorPublisher:
-    """The engine's `on_successor` hook: compare-and-publish the successor state of a recall.
+    """The engine's `on_successor` hook: compare-and-publish the successor state of a recall
+    (or, with `phase` DECODING, of decode-time retention, decode_worker/retention.py).
 
     A stale or ended request raises (the engine fails the request: its state is no longer
     current); an unreachable policy service raises `RecallUnavailable` (the manifest's
@@ -167,8 +170,10 @@ class SuccessorPublisher:
         prefill_worker: str,
         decode_worker: str,
         timeout_s: float,
+        phase: Phase = Phase.RECALLED,
     ) -> None:
         self._policy = policy
+        self._phase = phase
         self._loop = loop
         self._prefill_worker = prefill_worker
         self._decode_worker = decode_worker
@@ -185,7 +190,7 @@ class SuccessorPublisher:
             cache_generation=successor.cache_generation,
             receipt_digest=Receipt.for_state(successor).digest,
             manifest_sha256=successor.manifest_sha256,
-            phase=Phase.RECALLED,
+            phase=self._phase,
             prefill_worker=self._prefill_worker,
             decode_worker=self._decode_worker,
         )
@@ -244,7 +249,7 @@ class RecallOpener:
                                       handoff.descriptor.trace_context)
         try:
             session = RecallSession(verified.manifest, sidecar.summaries, fetch, state=state,
-                                    on_successor=publisher)
+                                    on_successor=publisher, strategy=WORKER_STRATEGY)
         except KVPolicyError as exc:
             raise ViewRejected(f"no recall session: {exc.reason}", field=exc.field) from None
         if accepted.lease is not None:

@@ -22,6 +22,12 @@ fetches pages, publishes the successor state and recomputes the step. Every reca
 recorded in the request's `DecodeFinished.fallbacks`, and a recall that fails under
 `fail_request` ends the request with `DecodeFailed(recall=outcome)`.
 
+Requests whose manifest retains at decode carry a `RetentionSession` (decode_worker/
+retention.py): after each step that request's evictions are decided and committed (the rows
+every owner holds never exceed the budget after a step: `kvrelay_decode_retention_*`
+metrics), successors are published on the manifest's cadence and at the end, and the finished
+request reports a `RetentionLedger` (and one `kv.retention` span).
+
 Requests are named by their request id in the cache (the recall engine reads a request's
 slot by the id of its state). A request generation supersedes an older one of the same
 request: admitting it cancels the older one; `cancel(request_id, generation)` touches only
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -67,6 +74,7 @@ from opentelemetry.context import Context
 
 from decode_worker.config import SchedulerConfig
 from decode_worker.errors import CapacityExhausted
+from decode_worker.retention import RetentionLedger, RetentionSession
 from services.kvpolicy.packing import POSITION_DTYPE, PackedKVView
 from services.model import (
     DecodeCache,
@@ -78,8 +86,10 @@ from services.model import (
 )
 from services.model.errors import KVPoolExhausted, ModelError
 from services.model.paged import DEFAULT_PAGE_ROWS, PageLease, PageLedger, PagePool
+from services.model.row_attention import RowContract
 from services.model.sampler import finite_rows
 from services.offload.recall import RecallOutcome, RecallSession, RecallStatus, decode_with_recall
+from services.policy import StaleGeneration
 from services.telemetry import metrics
 from services.telemetry.spans import record_span, start_span
 from services.transfer import ViewLayout
@@ -113,6 +123,7 @@ class DecodeFinished:
     recalled_rows: int = 0
     recalled_bytes: int = 0
     fallbacks: tuple[str, ...] = ()
+    retention: RetentionLedger | None = None
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,8 @@ class KVBudget:
 class DecodeRequest:
     """A verified view, ready to decode. `request_id` names it in the cache and in `cancel`
     (with `request_generation`); `frontier` is the original position of `first_token`
-    (output token 0); `recall` is its recall session (recallable manifests only)."""
+    (output token 0); `recall` is its recall session (recallable manifests only);
+    `retention` its decode-time retention (manifests with `selection.retention` only)."""
 
     request_id: str
     view: PackedKVView
@@ -239,6 +251,7 @@ class DecodeRequest:
     trace_parent: Context | None = None
     request_generation: int = 0
     recall: RecallSession | None = None
+    retention: RetentionSession | None = None
 
 
 @dataclass
@@ -277,7 +290,7 @@ class _Running:
         """Read, never counted here: the recall session's (it owns the generation of a
         request that can recall), or the verified one plus the rows appended since, one per
         decoded token (output token 0 came from the prefill worker)."""
-        session = self.request.recall
+        session = self.request.recall or self.request.retention
         if session is not None:
             return session.cache_generation
         return self.request.cache_generation + self.generated - 1
@@ -425,14 +438,22 @@ class DecodeScheduler:
             return
         cache = self._cache(request.owner_to_kv_head)
         lease = request.reservation.lease
+        retention = request.retention
+        contract = retention.row_contract if retention is not None else RowContract()
         try:
-            cache.admit_view(request.request_id, request.view, request.frontier, lease=lease)
+            cache.admit_view(request.request_id, request.view, request.frontier, lease=lease,
+                             contract=contract)
         except ModelError as exc:
             exhausted = isinstance(exc, KVPoolExhausted)
             self._release(request, DecodeFailed(f"cannot admit the view: {exc}", exhausted=exhausted))
             return
+        bound = None
+        if retention is not None:  # the step's candidate row on top of the budget, at most
+            retention.admitted(cache)
+            bound = retention.contract.budget_rows + 1
         if request.recall is None:  # recall may bring rows back: keep what was reserved for them
-            lease.ledger.trim(lease, cache.pages_after(request.request_id, request.max_tokens - 1))
+            steps = request.max_tokens - 1
+            lease.ledger.trim(lease, cache.pages_after(request.request_id, steps, bound))
         now = time.monotonic()
         self._running[request.request_id] = _Running(request, request.first_token, 1, now, now)
 
@@ -452,10 +473,35 @@ class DecodeScheduler:
                 self._fail(running.request.request_id, f"recall failed: {outcome.reason}", outcome)
             elif not sound[index]:
                 self._fail_non_finite(running)
-            else:
+            elif running.request.retention is None or self._retain(cache, running):
                 live.append(index)
         if live:
             self._emit([batch[i] for i in live], logits[live])
+
+    def _retain(self, cache: DecodeCache, running: _Running) -> bool:
+        """Decode-time retention's steps 3-7 for the step just run (decode_worker/retention.py);
+        False if it ended the request (its state was fenced out, or the step could not be
+        decided: then nothing of the step is committed and the request fails alone)."""
+        session, request_id = running.request.retention, running.request.request_id
+        assert session is not None
+        try:
+            done = session.commit(cache, session.decide(cache))
+        except StaleGeneration as exc:
+            metrics.RETENTION_PUBLICATIONS.labels("stale").inc()
+            self._fail(request_id, f"retention successor refused: {exc}")
+            return False
+        except Exception as exc:  # noqa: BLE001 - one request's retention fails that request
+            log.exception("retention step of %s failed", request_id)
+            self._fail(request_id, f"retention step failed: {exc}")
+            return False
+        metrics.RETENTION_RESIDENT.observe(done.resident_max)
+        metrics.RETENTION_EVICTED.inc(done.evicted_rows)
+        if done.resident_max > session.contract.budget_rows:
+            metrics.RETENTION_OVER_BUDGET.inc()
+        if done.due:  # an unavailable policy service is retried at the next cadence point
+            metrics.RETENTION_PUBLICATIONS.labels(
+                "published" if done.published is not None else "unavailable").inc()
+        return True
 
     def _emit(self, batch: list[_Running], logits: torch.Tensor) -> None:
         """Sample one token per request from its sound logits row `[B, V]` and hand it on."""
@@ -556,12 +602,36 @@ class DecodeScheduler:
         if decoded:
             metrics.DECODE_TPOT.observe(tpot_ms / 1000.0)
         self._end_step_span(running, finish_reason=reason)
+        retention = self._finish_retention(running, reason)
         self._drop(running.request.request_id)
         recalls = running.recalls
         self._release(running.request, DecodeFinished(
             reason, running.generated, running.cache_generation, tpot_ms,
-            recalls.count, recalls.rows, recalls.nbytes, tuple(recalls.fallbacks),
+            recalls.count, recalls.rows, recalls.nbytes, tuple(recalls.fallbacks), retention,
         ))
+
+    def _finish_retention(self, running: _Running, reason: str) -> RetentionLedger | None:
+        """A retaining request's end: its last committed state is published (unless cancelled:
+        the gateway ended it, so its state is no longer this worker's to publish)."""
+        session = running.request.retention
+        if session is None:
+            return None
+        cache = self._caches[running.request.owner_to_kv_head]
+        if reason != FINISH_CANCELLED:
+            try:
+                outcome = session.finish(cache)
+            except StaleGeneration:
+                outcome = "stale"
+            if outcome is not None:
+                metrics.RETENTION_PUBLICATIONS.labels(outcome).inc()
+        ledger = session.ledger(cache)
+        published = session.published
+        record_span(
+            "kv.retention", running.request.trace_parent, 0.0, request_id=session.request_id,
+            state_generation=published.state_generation, cache_generation=session.cache_generation,
+            **dataclasses.asdict(ledger),
+        )
+        return ledger
 
     def _cancel_running(self, request_id: str) -> None:
         running = self._running.get(request_id)

@@ -11,6 +11,7 @@ once; a background task then runs the transfer's stages, each one call:
                  the fence says this state is current for its g_r
     recall.py    recallable manifests: the recall session, its successor publisher, and
                  the offload lease kept from now on (recallable_remote)
+    retention.py manifests that retain at decode: the retention session and its publisher
     admit.py     into the continuous-batching decode loop (scheduler.py)
 
 `StreamTokens` (stream.py) streams token 0, every decoded token and one summary. Each
@@ -19,7 +20,7 @@ transfer holds by the transition that ends it, and is recorded (`rejections`) wh
 refused it. A stream that closes early cancels the request and frees its KV at once; an
 accepted transfer whose stream never opens is released after `lease_timeout_s` (counted from
 verification). The gateway ends the request at the policy service; this worker only
-publishes recall successors.
+publishes recall and decode-time retention successors.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import grpc
 
 from decode_worker.accept import Acceptor, accepted_response
-from decode_worker.admit import admit
+from decode_worker.admit import RetentionOpener, admit
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.errors import StaleTransfer, TransferFailed
 from decode_worker.lifecycle import Transfer, TransferTable
@@ -94,6 +95,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                   policy_timeout_s=config.policy_timeout_s)
         self._recalls = RecallOpener(policy, receiver, worker_id=config.worker_id,
                                      policy_timeout_s=config.policy_timeout_s)
+        self._retentions = RetentionOpener(policy, worker_id=config.worker_id,
+                                           policy_timeout_s=config.policy_timeout_s)
 
     @property
     def open_transfers(self) -> int:
@@ -158,6 +161,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             verified = await self._verifier.verify(accepted, received)
             transfer.verify(verified)
             recall = self._recalls.open(accepted, received, verified)
+            retention = self._retentions.open(accepted, verified)
         except TransferError as exc:
             failed = TransferFailed(f"receive failed: {exc.reason}", field="transfer")
             self._reject(transfer, failed)
@@ -165,7 +169,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             self._reject(transfer, exc)
         else:
             deliver = transfer.deliver
-            transfer.decode(admit(self.scheduler, accepted, received, verified, recall, deliver))
+            transfer.decode(admit(self.scheduler, accepted, received, verified, recall, deliver,
+                                  retention))
 
     def _reject(self, transfer: Transfer, error: ServiceError) -> None:
         transfer.fail(error)

@@ -14,6 +14,7 @@ streamed stay valid. Ending the request at the policy service is the gateway's (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 from decode_worker.admit import Decoding
@@ -27,6 +28,7 @@ from decode_worker.errors import (
     UnknownTransfer,
 )
 from decode_worker.lifecycle import Transfer, TransferState, TransferTable
+from decode_worker.retention import RetentionLedger
 from decode_worker.scheduler import (
     FINISH_CANCELLED,
     DecodeEvent,
@@ -95,13 +97,16 @@ async def stream_events(
 
 def summary(transfer: Transfer, finished: DecodeFinished) -> decode_pb2.DecodeSummary:
     """The summary of a finished decode: the generations of the last state (the verified
-    receipt, or the last recall successor) and the decode's cache generation, the ledger
+    receipt, or the last recall or retention successor) and the decode's cache generation, the ledger
     with the bytes moved and recalled, recall counts and the fallbacks taken."""
     handoff, receipt = transfer.accepted.handoff, transfer.verified.receipt
     decoding = transfer.decoding
     recall = decoding.recall if decoding is not None else None
     published = recall.publisher.published if recall is not None else []
+    retention = decoding.retention if decoding is not None else None
     last = published[-1] if published else receipt
+    if retention is not None and retention.publications:
+        last = retention.published
     ledger = ledger_to_proto(handoff.ledger, bytes_moved=transfer.received.bytes_moved,
                              recalled_bytes=finished.recalled_bytes)
     degraded = (handoff.offload.degraded,) if handoff.offload.degraded else ()
@@ -116,7 +121,13 @@ def summary(transfer: Transfer, finished: DecodeFinished) -> decode_pb2.DecodeSu
         fallbacks=[*degraded, *finished.fallbacks],
         verified_receipt_digest=receipt.digest,
         retained_rows=handoff.descriptor.layout.total_rows,
+        retention=None if finished.retention is None else retention_to_proto(finished.retention),
     )
+
+
+def retention_to_proto(ledger: RetentionLedger) -> common_pb2.RetentionSummary:
+    """A retaining request's `RetentionLedger` as the summary's `retention`."""
+    return common_pb2.RetentionSummary(**dataclasses.asdict(ledger))
 
 
 def failure(decoding: Decoding, failed: DecodeFailed) -> ServiceError:

@@ -67,18 +67,26 @@ def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress:
 @eval_app.command("recall")
 def eval_recall(
     checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
-    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%)."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts) or shared-cpu (4K, 2 tasks x 4 prompts)."),
     prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
     out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
     threads: int = typer.Option(1, help="torch CPU threads."),
     tune: bool = typer.Option(False, "--tune", help="Sweep the recall knobs on tuning seeds instead of evaluating."),
+    suite: str = typer.Option("needle", help="needle (the demo checkpoint's needle language) or ruler (RULER-style tasks on a real model, question-agnostic placement, kvpress beside; checkpoint " + DEFAULT_MODEL_HELP + ")."),
+    lengths: str | None = typer.Option(None, help="ruler: comma-separated context lengths (default: the preset's, 4096)."),
+    kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="ruler: also run kvpress presses on the same prompts."),
 ) -> None:
-    """Needle accuracy of full, window, sink+recent and SnapKV policies, with and without recall of omitted rows."""
+    """Needle accuracy of full, window, sink+recent and SnapKV policies, with and without recall of omitted rows; --suite ruler: recall on a real model."""
     from dataclasses import replace
 
     from services.evaluation.recall_eval import PRESETS, TuneConfig, run, run_tune
     from services.model.default import DEMO_CHECKPOINT
 
+    if suite not in ("needle", "ruler"):
+        raise typer.BadParameter("must be needle or ruler", param_hint="--suite")
+    if suite == "ruler":
+        _eval_recall_ruler(served_checkpoint(checkpoint), preset, prompts, lengths, out, threads, kvpress)
+        return
     if preset not in PRESETS:
         raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
     if tune:
@@ -87,6 +95,61 @@ def eval_recall(
         return
     config = PRESETS[preset] if prompts is None else replace(PRESETS[preset], prompts=prompts)
     run(checkpoint or DEMO_CHECKPOINT, config, out, threads)
+
+
+@eval_app.command("retention")
+def eval_retention(
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: " + DEFAULT_MODEL_HELP + ")."),
+    text: Path | None = typer.Option(None, help="Plain or .gz English text (default: the Debian Policy Manual of the debian-policy package, past its table of contents)."),
+    skip_lines: int | None = typer.Option(None, help="Lines of --text to skip (default: 706 for the default text, else 0)."),
+    tokens: int = typer.Option(2048, help="Tokens of the sweep: every method at every budget."),
+    long_tokens: int = typer.Option(0, help="Tokens of the long run (window, sinks + window at both position contracts, --long-budget); past 8192 it leaves SmolLM2's trained context. 0 skips it."),
+    long_budget: int = typer.Option(1024, help="Rows per owner of the long run."),
+    budgets: str = typer.Option("256,512,1024", help="Comma-separated rows per owner."),
+    methods: str | None = typer.Option(None, help="Comma-separated methods (default all: window-decode, sink-recent-decode, sink-recent-local, h2o, scissorhands, keyformer)."),
+    dtype: str = typer.Option("bfloat16", help="Weight dtype (K/V, attention and scores stay float32)."),
+    out: Path = typer.Option(Path("docs/results/retention"), help="Directory for retention.md, results.json and the PNGs."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    max_minutes: float | None = typer.Option(None, help="Stop each run's token loop after this many minutes (the report says where)."),
+) -> None:
+    """Perplexity vs position under decode-time retention (teacher forcing), bounded rows, and cost per method."""
+    from services.evaluation.retention_eval import DEFAULT_SKIP_LINES, DEFAULT_TEXT, METHODS
+    from services.evaluation.retention_report import RetentionEvalOptions, run
+
+    try:
+        options = RetentionEvalOptions(
+            checkpoint=served_checkpoint(checkpoint), out=out, text=text or DEFAULT_TEXT,
+            skip_lines=skip_lines if skip_lines is not None else (0 if text else DEFAULT_SKIP_LINES),
+            tokens=tokens, budgets=tuple(int(b) for b in budgets.split(",")),
+            methods=tuple(methods.split(",")) if methods else METHODS, long_tokens=long_tokens,
+            long_budget=long_budget, dtype=dtype, threads=threads, max_minutes=max_minutes)
+        run(options)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"kvrelay eval retention: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _eval_recall_ruler(checkpoint: Path, preset: str, prompts: int | None, lengths: str | None, out: Path,
+                       threads: int, kvpress: bool) -> None:
+    """`kvrelay eval recall --suite ruler` (default --out: docs/results/recall-smollm2)."""
+    from dataclasses import replace
+
+    from services.evaluation.needs import MissingDependency
+    from services.evaluation.recall_ruler import PRESETS, run
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
+    config = PRESETS[preset]
+    if prompts is not None:
+        config = replace(config, prompts=prompts)
+    if lengths is not None:
+        config = replace(config, lengths=tuple(int(n) for n in lengths.split(",")))
+    target = Path("docs/results/recall-smollm2") if out == Path("recall-eval") else out
+    try:
+        run(checkpoint, config, target, threads, kvpress)
+    except MissingDependency as exc:
+        typer.echo(f"kvrelay eval recall: {exc} (or run with --no-kvpress)", err=True)
+        raise typer.Exit(1) from None
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -132,12 +195,17 @@ def bench_policy(
     rounds: int = typer.Option(3, help="--tls: rounds per transport and client count (ABBA order, pooled)."),
     handshakes: int = typer.Option(20, help="--tls: fresh channels whose first call is timed."),
     backend: list[str] = typer.Option(["single"], help="Embedded Redis to run against (repeatable, one run): single, cluster (three masters, three replicas)."),
+    processes: str = typer.Option("1", help="Comma-separated policy-service replica counts, each measured behind one round-robin target."),
+    unpipelined: bool = typer.Option(False, help="Also one replica without automatic Redis pipelining (the path before)."),
+    failover: bool = typer.Option(False, help="Also the failover drill: kill a cluster master mid-publish, read every acknowledged state back."),
+    scale: bool = typer.Option(False, "--scale", help="Issue 21's run: single and cluster, 1 and 2 processes, the unpipelined path, the failover drill (--report default docs/results/policy-scale.md)."),
     report: Path | None = typer.Option(None, help="Also write a Markdown summary here."),
 ) -> None:
     """PublishState/GetFence throughput and p50/p99 vs the raw Lua-script ceiling on the same Redis."""
     import asyncio
 
-    from policy_service.bench import BenchConfig, print_report, run_bench
+    from policy_service.bench import BenchConfig, run_bench
+    from policy_service.bench_report import print_report
 
     counts = tuple(int(c) for c in clients.split(","))
     if tls:
@@ -148,8 +216,12 @@ def bench_policy(
         return
     config = BenchConfig(
         concurrency=counts, seconds=seconds, redis_url=redis_url, target=target,
-        pipe_commands=pipe_commands, backends=tuple(backend),
+        pipe_commands=pipe_commands,
+        backends=("single", "cluster") if scale else tuple(backend),
+        processes=(1, 2) if scale else tuple(int(n) for n in processes.split(",")),
+        unpipelined=unpipelined or scale, failover=failover or scale,
     )
+    report = report or (Path("docs/results/policy-scale.md") if scale else None)
     import os
 
     load = os.getloadavg()[0]  # the host is often shared: say how busy it was
@@ -158,11 +230,11 @@ def bench_policy(
     if report is not None:
         import sys
 
-        from policy_service.bench import render_markdown, write_plot
+        from policy_service.bench_report import render_markdown, write_plot
 
         host = f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start"
         report.parent.mkdir(parents=True, exist_ok=True)
-        plot = write_plot(results, report.with_suffix(".png"))
+        plot = write_plot(results.measurements, report.with_suffix(".png"))
         text = render_markdown(results, "kvrelay " + " ".join(sys.argv[1:]), host)
         report.write_text(f"{text}\n![ops/s per client count and backend]({plot.name})\n")
         typer.echo(f"wrote {report}")

@@ -43,6 +43,13 @@ def summary_table(summary: gateway_pb2.GenerateSummary, title: str = "summary") 
         ("bytes moved (payload + metadata)", f"{summary.bytes_moved:,}"),
         ("workers (prefill / decode)", f"{summary.prefill_worker} / {summary.decode_worker}"),
     ]
+    if summary.HasField("retention"):
+        r = summary.retention
+        rows += [
+            ("decode-time retention", f"{r.prompt_method} + {r.decode_method} ({r.positions})"),
+            ("rows per owner (budget / most held)", f"{r.budget_rows} / {r.resident_max}"),
+            ("evicted rows / successors published", f"{r.evicted_rows:,} / {r.publications}"),
+        ]
     for fallback in summary.fallbacks:
         rows.append(("fallback", fallback))
     for item, value in rows:

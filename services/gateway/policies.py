@@ -27,6 +27,7 @@ from collections.abc import Callable
 from services.gateway.validation import ManifestChoice
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract, default_manifests
+from services.kvpolicy.retention_manifests import retention_manifests
 from services.offload.recall import RecallKnobs, with_recall
 from services.policy import ManifestConflict, NotFound, PolicyClient, Registration
 from services.policy.manifests import ManifestCache
@@ -46,10 +47,12 @@ SERVED_RECALL_KNOBS = RecallKnobs(threshold=0.9, page_size=8, max_pages_per_step
 
 def served_manifests(served: TensorContract) -> dict[str, KVVisibilityPolicyManifest]:
     """The manifests every gateway registers for the served tensor contract: the runtime's
-    `default_manifests` and `snapkv-recall`."""
+    `default_manifests`, `snapkv-recall` and the decode-time retention policies
+    (`retention_manifests`: window, sinks + window at both position contracts, H2O,
+    Scissorhands, Keyformer, SnapKV + H2O, 1,024 rows per owner)."""
     manifests = default_manifests(served)
     recall = with_recall(manifests["snapkv"], SERVED_RECALL_KNOBS)
-    return {**manifests, recall.name: recall}
+    return {**manifests, recall.name: recall, **retention_manifests(served)}
 
 
 class UnknownPolicy(InvalidArgument):

@@ -84,4 +84,5 @@ def build_summary(
         fallbacks=list(decoded.fallbacks),
         prefill_worker=prefilled.prefill_worker or route.prefill_worker,
         decode_worker=route.decode_worker,
+        retention=decoded.retention if decoded.HasField("retention") else None,
     )

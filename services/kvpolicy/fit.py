@@ -2,8 +2,8 @@
 and the decode worker (each maps `ManifestUnfit` to its own error, naming the same field).
 
 A manifest fits when it declares only what this runtime performs (`check_performed`: no
-decode-time retention, original rows only, post-RoPE keys, the gateway's fallbacks), its
-tensor contract is the served model's — shapes, K/V dtypes, key positional stage and the
+recall under decode-time retention, original rows only, post-RoPE keys on the wire, the
+gateway's fallbacks), its tensor contract is the served model's — shapes, K/V dtypes, key positional stage and the
 resolved query-to-K/V head map (the grouping label is implied by the map) — it names the
 served logical cache ABI and checkpoint generation, and, for `recallable_remote`, the
 deployment keeps omitted rows in an offload store. The policy service refuses at registration
@@ -23,11 +23,9 @@ from services.kvpolicy.manifest import (
     InvalidStateAction,
     KeyPositionalStage,
     KVVisibilityPolicyManifest,
-    Phase,
     RecoverabilityMode,
     RowKind,
     TensorContract,
-    UpdateCadence,
     cache_abi_sha256,
 )
 
@@ -80,17 +78,16 @@ _PERFORMED = (
 
 def check_performed(manifest: KVVisibilityPolicyManifest) -> None:
     """Raise ManifestUnfit naming the first field that declares behaviour this runtime does not
-    perform: decode-time retention (phase decode or both with a cadence other than never; the
-    decode loop appends every new row and drops none), replacement rows, keys other than
-    post-RoPE, or a fallback the gateway does not take."""
-    selection = manifest.selection
-    decodes = selection.phase in (Phase.DECODE, Phase.BOTH)
-    if decodes and selection.update_cadence is not UpdateCadence.NEVER:
+    perform: decode-time retention with recall (the decode worker performs every retention
+    method at both position contracts, evicting for good: `omitted_irrecoverable` only),
+    replacement rows, keys other than post-RoPE, or a fallback the gateway does not take."""
+    retention = manifest.selection.retention
+    mode = manifest.recoverability.mode
+    if retention is not None and mode is not RecoverabilityMode.OMITTED_IRRECOVERABLE:
         raise ManifestUnfit(
-            "selection.update_cadence",
-            f"{selection.update_cadence.value} in selection.phase {selection.phase.value} declares"
-            " decode-time retention, which this runtime does not perform (decode appends every"
-            " row): declare phase prefill, cadence prefill_once",
+            "recoverability.mode",
+            f"{mode.value} with decode-time retention ({retention.method.value}) is not"
+            " performed: the decode worker evicts rows for good (omitted_irrecoverable)",
         )
     for path, performed, why in _PERFORMED:
         declared = _field(manifest, path)

@@ -34,10 +34,16 @@ from services.echo import echo
 from services.kvpolicy.errors import ManifestInvalid
 from services.kvpolicy.manifest_json import (
     MAX_ARRAY_ITEMS,
+    OMIT_IF_NULL,
     from_plain,
     load_json,
     normalize,
     to_plain,
+)
+from services.kvpolicy.retention_contract import (
+    RetentionContract,
+    RetentionMethod,
+    ScoreOwner,
 )
 
 SCHEMA_VERSION = 1
@@ -100,10 +106,9 @@ class SelectionUnit(StrEnum):
 
 
 class Phase(StrEnum):
-    """When the selection rule runs. Whatever the phase, decode appends every new row to every
-    owner; `decode`/`both` with a cadence other than `never` declare decode-time retention
-    (evicting rows while decoding), which this runtime does not perform yet: the one fit check
-    (`services.kvpolicy.fit`) refuses such a manifest."""
+    """When the selection rule runs. Decode appends every new row to every owner; only a
+    declared `selection.retention` (phase `both`, cadence `every_step`) evicts rows while
+    decoding, and then by that contract's parameters."""
 
     PREFILL = "prefill"
     DECODE = "decode"
@@ -545,9 +550,10 @@ class SelectionContract:
     Budgets (`budget`, `allocation`) apply to SnapKV; the static methods are bounded by
     `recent_window` and `protected.sinks`. Protected rows are retained outside the budget.
     `tie_rule` orders equal SnapKV scores; the static methods score nothing, so they take the
-    default. `phase` and `update_cadence` say when selection runs (see `Phase`): SnapKV and the
-    served static policies select once, at prefill (`prefill`, `prefill_once`), and decode
-    appends every new row.
+    default. `phase` and `update_cadence` say when selection runs (see `Phase`): without
+    `retention`, SnapKV and the static policies select once, at prefill (`prefill`,
+    `prefill_once`), and decode appends every new row; with it (`both`, `every_step`), the
+    method selects at prefill and `retention` bounds the rows at every decode step.
     """
 
     method: SelectionMethod
@@ -561,6 +567,7 @@ class SelectionContract:
     budget: BudgetSpec | None = None
     snapkv: SnapKVParams | None = None
     allocation: AllocationSpec | None = None
+    retention: RetentionContract | None = field(default=None, metadata=OMIT_IF_NULL)
 
     def __post_init__(self) -> None:
         normalize(self, "selection")
@@ -595,6 +602,7 @@ class SelectionContract:
             )
         self._check_protected()
         self._check_phase_and_cadence()
+        self._check_retention()
         if self.budget is not None and self.snapkv is not None and self.allocation is not None:
             self._check_snapkv_budget(self.budget, self.snapkv, self.allocation)
 
@@ -616,22 +624,48 @@ class SelectionContract:
             )
 
     def _check_phase_and_cadence(self) -> None:
-        if self.method is SelectionMethod.FULL:
-            expected = UpdateCadence.NEVER
-        elif self.method is SelectionMethod.SNAPKV or self.phase is Phase.PREFILL:
-            expected = UpdateCadence.PREFILL_ONCE
-        else:
+        """Without `retention` every method selects at most once, at prefill; with it, the
+        method selects at prefill and the retention contract at every decode step (`both`)."""
+        if self.retention is not None:
             expected = UpdateCadence.EVERY_STEP
-        if self.method is SelectionMethod.SNAPKV and self.phase is not Phase.PREFILL:
-            _fail("selection.phase", "selection.method snapkv selects once, at prefill")
-        if self.method is SelectionMethod.FULL and self.phase is not Phase.BOTH:
-            _fail("selection.phase", "selection.method full keeps every row in both phases: both")
+            if self.phase is not Phase.BOTH:
+                _fail("selection.phase", "selection.retention retains at every decode step after"
+                      " selection.method selects at prefill: both")
+        elif self.method is SelectionMethod.FULL:
+            expected = UpdateCadence.NEVER
+            if self.phase is not Phase.BOTH:
+                _fail("selection.phase", "selection.method full keeps every row in both phases:"
+                      " both")
+        else:
+            expected = UpdateCadence.PREFILL_ONCE
+            if self.method is SelectionMethod.SNAPKV and self.phase is not Phase.PREFILL:
+                _fail("selection.phase", "selection.method snapkv selects once, at prefill")
+            if self.phase is not Phase.PREFILL:
+                _fail("selection.retention", f"required for selection.phase {self.phase.value}:"
+                      " decode-time retention declares its parameters")
         if self.update_cadence is not expected:
             _fail(
                 "selection.update_cadence",
                 f"selection.method {self.method.value} in selection.phase {self.phase.value}"
-                f" updates {expected.value}",
+                f" {'with' if self.retention else 'without'} selection.retention updates"
+                f" {expected.value}",
             )
+
+    def _check_retention(self) -> None:
+        """A static method selects at prefill what its decode-time retention keeps after."""
+        retention, method = self.retention, self.method
+        static = {SelectionMethod.SLIDING_WINDOW: RetentionMethod.WINDOW,
+                  SelectionMethod.SINK_RECENT: RetentionMethod.SINK_RECENT}
+        if retention is None or method not in static:
+            return
+        if retention.method is not static[method]:
+            _fail("selection.retention.method", f"selection.method {method.value} retains as"
+                  f" {static[method].value}")
+        for name, declared in (("recent_window", self.recent_window),
+                               ("sinks", self.protected.sinks)):
+            if getattr(retention, name) != declared:
+                _fail(f"selection.retention.{name}", f"{getattr(retention, name)} differs from"
+                      f" the prefill selection's {declared}")
 
     def _check_snapkv_budget(
         self, budget: BudgetSpec, snapkv: SnapKVParams, allocation: AllocationSpec
@@ -849,7 +883,7 @@ class KVVisibilityPolicyManifest:
                 "tensor.q_to_kv_head_map",
                 "head-level selection (selection.unit layer-head-token) needs a declared map",
             )
-        omits = selection.method is not SelectionMethod.FULL
+        omits = selection.method is not SelectionMethod.FULL or selection.retention is not None
         exact = self.representation.fidelity is Fidelity.FULL_CACHE_EXACT
         if omits and exact:
             _fail(
@@ -864,6 +898,20 @@ class KVVisibilityPolicyManifest:
             )
         if not omits and self.recoverability.recallable:
             _fail("recoverability.mode", "selection.method full omits nothing to recall")
+        self._check_score_owner()
+
+    def _check_score_owner(self) -> None:
+        """A scoring retention's owners are the manifest's: query heads exactly under GQA
+        `expand`, whose rows each belong to one query head."""
+        retention = self.selection.retention
+        if retention is None or not retention.method.scores:
+            return
+        per_query = retention.score_owner is ScoreOwner.QUERY_HEAD
+        if per_query != self.owners_are_query_heads:
+            _fail("selection.retention.score_owner",
+                  f"{retention.score_owner.value} with owners that are"
+                  f" {'query' if self.owners_are_query_heads else 'K/V'} heads"
+                  " (query_head exactly under selection.snapkv.gqa_reduction expand)")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVVisibilityPolicyManifest:
@@ -881,7 +929,8 @@ class KVVisibilityPolicyManifest:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (every field present, enums as strings, tuples as lists)."""
+        """Plain JSON data (every field present but a null `selection.retention`, enums as
+        strings, tuples as lists)."""
         plain = to_plain(self)
         assert isinstance(plain, dict)
         return plain

@@ -137,9 +137,18 @@ def _is_enum_type(tp: Any) -> bool:
     return any(isinstance(c, type) and issubclass(c, StrEnum) for c in candidates)
 
 
+# A field added after manifests were published carries this metadata: left null, it is left
+# out of the plain data, so every manifest written before it keeps its canonical JSON (identity).
+OMIT_IF_NULL = {"omit_if_null": True}
+
+
 def to_plain(obj: Any) -> Any:
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+        return {
+            f.name: to_plain(getattr(obj, f.name))
+            for f in fields(obj)
+            if not (f.metadata.get("omit_if_null") and getattr(obj, f.name) is None)
+        }
     if isinstance(obj, StrEnum):
         return obj.value
     if isinstance(obj, tuple | list):

@@ -6,7 +6,8 @@ position with it and attention over any subset of rows needs no re-rotation.
 - `observation_attention`: the last W_obs queries' softmax rows, for SnapKV scoring.
 - `ragged_decode_attention` / `varlen_decode_attention`: one new query per request over a
   padded per-(request, K/V head) cache where every head has its own length;
-  `ragged_decode_attention_lse` also returns each query's log-sum-exp (for recall). The padded
+  `ragged_decode_attention_lse` also returns each query's log-sum-exp (for recall),
+  `ragged_decode_attention_probs` the probabilities (for decode-time retention). The padded
   baseline (`services.model.padded_cache`) and the dense reference of the paged kernels.
 - `paged_decode_attention` / `paged_varlen_decode_attention`: the same over KV pages through a
   page table per (request, owner); cost follows the rows each (request, owner) holds.
@@ -148,6 +149,23 @@ def ragged_decode_attention_lse(
     scores = _ragged_scores(q, keys, lengths, scale, hidden)  # [B, H_kv, G, S]
     lse = torch.logsumexp(scores, dim=-1).reshape(q.shape[0], -1)  # [B, H_q]
     return _ragged_output(scores, values), lse
+
+
+def ragged_decode_attention_probs(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ragged_decode_attention` (same output, same arithmetic) plus the attention
+    probabilities themselves `[B, H_kv, G, S]` fp32 (0 on padding and hidden rows): the
+    evidence decode-time retention scores rows with (H2O, Scissorhands, Keyformer)."""
+    scores = _ragged_scores(q, keys, lengths, scale, hidden)  # [B, H_kv, G, S]
+    probs = torch.softmax(scores, dim=-1)
+    batch, _, _, d_h = values.shape
+    return torch.matmul(probs.to(values.dtype), values).view(batch, -1, d_h), probs
 
 
 def _ragged_scores(

@@ -27,6 +27,13 @@ the step can run again once recalled rows are in.
 Owners are the K/V heads (query head i reads owner i // G), or, for views packed under the
 GQA `expand` reduction, the query heads themselves (`owner_to_kv_head` = q_to_kv_head_map):
 then every query head has its own rows and each new K/V row is appended to all its owners.
+
+Decode-time retention (issue 18) needs two more things, per request, declared at admission
+by its `RowContract` (services/model/row_attention.py) and free for every other request:
+each step's attention probabilities over every row of every owner (`step_attention`, read
+after the step, before `drop_rows` evicts), and cache-local positions (keys stored pre-RoPE,
+rotated to their slot at attention time; the model is handed position 0 for such a request,
+where RoPE is the identity, so its query and key arrive unrotated).
 """
 
 from __future__ import annotations
@@ -47,7 +54,15 @@ from services.model.attention import (
 )
 from services.model.config import ModelConfig
 from services.model.errors import InvalidModelInput, KVPoolExhausted
+from services.model.layers import RotaryEmbedding, rotate
 from services.model.paged import DEFAULT_PAGE_ROWS, POSITION_BYTES, PageLease, PagePool
+from services.model.row_attention import (
+    RowContract,
+    StepAttention,
+    attend_rows,
+    gather_rows,
+    reduce_heads,
+)
 
 BACKENDS = ("auto", "torch", "varlen")
 LAYOUT_RAGGED = "ragged"  # every owner's rows are packed from its first page on, no holes
@@ -257,10 +272,14 @@ class DecodeCache(SlottedCache):
             backend == "auto" and varlen_decode_available(self.device, dtype)
         )
         self._capture: StepCapture | None = None
+        self._contracts: list[RowContract] = []  # per slot
+        self._gathered: list[int] = []  # this step's slots whose contract gathers their rows
+        self._attention: dict[int, dict[int, torch.Tensor]] = {}  # slot -> layer -> [H, S]
+        self._rotary: RotaryEmbedding | None = None  # built for the first cache-local request
         none = torch.zeros(0, dtype=torch.long, device=self.device)
         self._step_rows = (none[None], none.int())  # this step's `_append_rows`
         self._undoable = False  # the last call committed a step and nothing was written since
-        self._compacted = False  # some owner had rows evicted and compacted
+        self._compacted: list[bool] = []  # per slot: some owner had rows evicted and compacted
 
     def lengths(self, request_id: str) -> torch.Tensor:
         """Rows held per (layer, owner) for one request `[L, H_owner]`."""
@@ -284,32 +303,43 @@ class DecodeCache(SlottedCache):
         lengths, pages = self._lengths[:, :batch][:, slots], self._pages[:, :batch][:, slots]
         row_bytes = 2 * self.config.head_dim * self.dtype.itemsize + POSITION_BYTES
         requests = batch if request_id is None else 1
-        layout = LAYOUT_COMPACTED if self._compacted else LAYOUT_RAGGED
+        compacted = self._compacted[:batch][slots]
+        layout = LAYOUT_COMPACTED if any(compacted) else LAYOUT_RAGGED
         return KVLedger(requests, int(lengths.sum()), row_bytes, int(pages.sum()),
                         self.pool.page_bytes, layout)
 
-    def pages_after(self, request_id: str, rows: int) -> int:
-        """Pages one request holds once every (layer, owner) has `rows` more rows."""
+    def pages_after(self, request_id: str, rows: int, bound: int | None = None) -> int:
+        """Pages one request holds once every (layer, owner) has `rows` more rows; with
+        `bound` (decode-time retention: its budget plus the step's candidate row), an owner
+        holds at most that many once a step has run (its rows now and the next one, if more)."""
         slot = self._slot(request_id)
-        needed = (self._lengths[:, slot] + rows + self.page_rows - 1) // self.page_rows
+        after = self._lengths[:, slot] + rows
+        if bound is not None and rows > 0:
+            after = torch.minimum(after, torch.clamp(self._lengths[:, slot] + 1, min=bound))
+        needed = (after + self.page_rows - 1) // self.page_rows
         return int(torch.maximum(needed, self._pages[:, slot]).sum())
 
     def admit_view(self, request_id: str, view: PackedRows, frontier: int,
-                   lease: PageLease | None = None) -> None:
+                   lease: PageLease | None = None, contract: RowContract = RowContract()) -> None:
         """Admit a request from a packed view; `frontier` is the next token's original position.
-        Its pages are charged to `lease` (else to a lease the cache takes and releases)."""
+        Its pages are charged to `lease` (else to a lease the cache takes and releases);
+        `contract`: how its rows are stored and read (keys of a cache-local one are un-rotated
+        from their original positions here)."""
         check_view(view, self.config, self.num_owners, frontier)
         offsets = view.row_offsets.to(device="cpu", dtype=torch.long)  # [L, H + 1]
         counts = offsets[:, 1:] - offsets[:, :-1]  # [L, H]
-        slot = self._new_slot(request_id, frontier, lease)
-        self._admit(slot, counts, offsets[:, :-1], view.packed_k, view.packed_v,
-                    view.original_position_map)
+        positions = view.original_position_map
+        keys = self._stored_keys(view.packed_k, positions, contract)
+        slot = self._new_slot(request_id, frontier, lease, contract)
+        self._admit(slot, counts, offsets[:, :-1], keys, view.packed_v, positions)
 
     def admit_dense(
         self, request_id: str, keys: torch.Tensor, values: torch.Tensor,
         frontier: int | None = None, lease: PageLease | None = None,
+        contract: RowContract = RowContract(),
     ) -> None:
-        """Admit a request retaining every position: keys/values `[L, H_kv, T, d_h]`."""
+        """Admit a request retaining every position: keys/values `[L, H_kv, T, d_h]` (keys
+        post-RoPE at their positions, whatever `contract`)."""
         check_dense(self.config, keys, values)
         length = keys.shape[2]
         if self._owner_map is not None:  # every owner gets its K/V head's rows
@@ -318,9 +348,11 @@ class DecodeCache(SlottedCache):
         counts = torch.full((layers, owners), length, dtype=torch.long)
         starts = torch.arange(layers * owners, dtype=torch.long).view(layers, owners) * length
         positions = torch.arange(length, dtype=torch.int32).repeat(layers * owners)
-        slot = self._new_slot(request_id, length if frontier is None else frontier, lease)
         d_h = self.config.head_dim
-        self._admit(slot, counts, starts, keys.reshape(-1, d_h), values.reshape(-1, d_h), positions)
+        flat = self._stored_keys(keys.reshape(-1, d_h), positions, contract)
+        slot = self._new_slot(request_id, length if frontier is None else frontier, lease,
+                              contract)
+        self._admit(slot, counts, starts, flat, values.reshape(-1, d_h), positions)
 
     def append_rows(
         self, request_id: str, layer: int, head: int,
@@ -359,7 +391,55 @@ class DecodeCache(SlottedCache):
         self._pages[layer, slot, head] = needed
         self._lengths[layer, slot, head] = keep
         self._invalidate()
-        self._compacted = True
+        self._compacted[slot] = True
+        return int(freed.numel())
+
+    def drop_owner_rows(self, request_id: str, drop: torch.Tensor, room: int = 0) -> int:
+        """`drop_rows` for every (layer, owner) of a request at once (decode-time retention's
+        step 6): `drop` `[L, H_owner, R]` bool, row r of owner (l, h) in `rows()` order for
+        r < its rows (R at least the most any owner holds; the rest False). One gather and
+        one index copy for all owners; an owner keeps the pages of its rows plus `room` more
+        (retention: 1, the next step's candidate row, so an owner at a page boundary does not
+        free a page to take it back at the next step). Returns the pages freed."""
+        slot = self._slot(request_id)
+        held = self._lengths[:, slot]  # [L, H]
+        span = drop.shape[-1] if drop.dim() == 3 else 0
+        local = torch.arange(span)
+        if drop.dtype != torch.bool or tuple(drop.shape[:2]) != tuple(held.shape) or (
+                span < int(held.max())):
+            raise InvalidModelInput("drop", f"need a bool mask [L, H, R >= {int(held.max())}]")
+        drop = drop.cpu()
+        valid = local < held[..., None]  # [L, H, R]
+        keep = valid & ~drop
+        kept = keep.sum(-1)  # [L, H]
+        if bool((drop & ~valid).any()) or bool((kept == 0).any()):
+            raise InvalidModelInput("drop", "rows past an owner's own, or an owner left with none")
+        changed = kept < held  # [L, H]
+        if not bool(changed.any()):
+            return 0
+        self._undoable = False
+        rows, table = self.page_rows, self._table[:, slot]  # [L, H, W]
+        column = (local // rows).clamp(max=table.shape[-1] - 1).expand(*held.shape, -1)
+        index = table.gather(2, column) * rows + local % rows  # [L, H, R] pool rows
+        # Kept rows first, each group in row order: the first `kept` are the compacted rows.
+        order = torch.sort(torch.where(keep, local, local + span), dim=-1).indices
+        moved = (local < kept[..., None]) & changed[..., None]  # [L, H, R]
+        dest = index[moved].to(self.device)
+        source = index.gather(2, order)[moved].to(self.device)
+        d_h, pool = self.config.head_dim, self.pool
+        for flat in (pool.keys.view(-1, d_h), pool.values.view(-1, d_h), pool.positions.view(-1)):
+            flat.index_copy_(0, dest, flat.index_select(0, source))  # gathered first: no overlap
+        pages = self._pages[:, slot]
+        needed = torch.minimum((kept + room + rows - 1) // rows, pages)
+        columns = torch.arange(table.shape[-1])
+        gone = (columns >= needed[..., None]) & (columns < pages[..., None]) & changed[..., None]
+        freed = table[gone]
+        pool.free(self._leases[slot], freed)
+        self._pages[:, slot] = torch.where(changed, needed, pages)
+        self._lengths[:, slot] = kept
+        self._compacted[slot] = True
+        if freed.numel():  # the attention plans read pages, not rows: same pages, same plans
+            self._invalidate()
         return int(freed.numel())
 
     def release(self, request_id: str) -> None:
@@ -379,17 +459,27 @@ class DecodeCache(SlottedCache):
             self._frontier[slot] = self._frontier[last]
             self.request_ids[slot] = self.request_ids[last]
             self._leases[slot], self._own_lease[slot] = self._leases[last], self._own_lease[last]
+            self._contracts[slot] = self._contracts[last]
+            self._compacted[slot] = self._compacted[last]
+        # The step's captured attention follows its request into the hole.
+        self._attention.pop(slot, None)
+        moved = self._attention.pop(last, None)
+        if moved is not None and slot != last:
+            self._attention[slot] = moved
         for tensor in (self._lengths, self._pages):
             tensor[:, last] = 0
         self.request_ids.pop()
         self._leases.pop()
         self._own_lease.pop()
+        self._contracts.pop()
+        self._compacted.pop()
 
     def begin_step(self, capture: StepCapture | None = None) -> torch.Tensor:
         """Make room for one more row per (request, layer, owner): a new page for every owner
         whose last page is full (KVPoolExhausted naming the request when its budget has none);
-        returns positions `[B]`. With `capture`, every layer of this step records its queries
-        and log-sum-exps there."""
+        returns the positions `[B]` the model rotates this step's queries and keys to: the
+        frontier, or 0 (no rotation) for a cache-local request. With `capture`, every layer of
+        this step records its queries and log-sum-exps there."""
         if not self.request_ids:
             raise InvalidModelInput("batch", "no request admitted")
         batch = self.batch_size
@@ -404,7 +494,13 @@ class DecodeCache(SlottedCache):
             self._device_table = [t.to(self.device) for t in self._table]
         self._step_rows = self._append_rows(batch)
         self._capture = capture
-        return self.frontier()
+        self._gathered = [slot for slot, c in enumerate(self._contracts) if c.gathered]
+        self._attention = {}
+        positions = self.frontier().clone()
+        local = [slot for slot in self._gathered if self._contracts[slot].cache_local]
+        if local:
+            positions[local] = 0
+        return positions
 
     def attention(self, layer: int) -> Attend:
         """The `Attend` of layer l for this step: append the new row to every owner, attend."""
@@ -420,19 +516,36 @@ class DecodeCache(SlottedCache):
             lengths = self._lengths[layer, :batch].to(self.device)  # [B, H], the new row included
             pool = self.pool
             if self._varlen and window is None and capture is None:
-                return paged_varlen_decode_attention(
+                out = paged_varlen_decode_attention(
                     q, pool.keys, pool.values, table, lengths, scale)
-            hidden = None if window is None else self.frontier() - window
-            out, lse = paged_decode_attention(
-                q, pool.keys, pool.values, table, lengths, scale, hidden_at_or_before=hidden,
-                page_positions=pool.positions, plan=self._plan(layer, table, lengths),
-                with_lse=capture is not None,
-            )
-            if capture is not None and lse is not None:
-                capture.record(layer, q, lse)
+            else:
+                hidden = None if window is None else self.frontier() - window
+                out, lse = paged_decode_attention(
+                    q, pool.keys, pool.values, table, lengths, scale, hidden_at_or_before=hidden,
+                    page_positions=pool.positions, plan=self._plan(layer, table, lengths),
+                    with_lse=capture is not None,
+                )
+                if capture is not None and lse is not None:
+                    capture.record(layer, q, lse)
+            if self._gathered:
+                out = self._attend_gathered(layer, q, out)
             return out
 
         return attend
+
+    def step_attention(self, request_id: str) -> StepAttention:
+        """The last step's attention of a request whose contract captures it, every layer,
+        over the rows each owner held then (InvalidModelInput if it captured none)."""
+        slot = self._slot(request_id)
+        layers = self._attention.get(slot)
+        if layers is None or len(layers) != self.config.num_layers:
+            raise InvalidModelInput("capture", f"{request_id!r} captured no step's attention")
+        probs = tuple(layers[layer] for layer in range(self.config.num_layers))
+        return StepAttention(probs, self._lengths[:, slot].clone())
+
+    def contract(self, request_id: str) -> RowContract:
+        """How one request's rows are stored and read."""
+        return self._contracts[self._slot(request_id)]
 
     def end_step(self) -> None:
         """Commit the step: every owner gained one row, every frontier moves by one."""
@@ -451,6 +564,40 @@ class DecodeCache(SlottedCache):
         self._frontier[:batch] -= 1
         self._undoable = False
         self._invalidate()  # the page the step opened stays, unused until the rerun
+
+    def _attend_gathered(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Replace the paged output of the requests whose contract gathers their rows with
+        attention over those rows (rotated to slots when cache-local), recording the
+        probabilities of those that capture them."""
+        slots = self._gathered
+        index = torch.tensor(slots, dtype=torch.long)
+        pool = self.pool
+        rows = gather_rows(pool.keys, pool.values, pool.positions, self._table[layer][index],
+                           self._lengths[layer][index])
+        window = self.config.sliding_windows[layer]
+        hidden = None if window is None else self._frontier[index.to(self.device)] - window
+        local = torch.tensor([self._contracts[s].cache_local for s in slots], device=self.device)
+        heads = torch.tensor(self.head_to_owner, dtype=torch.long, device=self.device)
+        result, probs = attend_rows(q[index.to(self.device)], rows, self.scale, heads, hidden,
+                                    local, self._rotary)
+        out = out.clone()
+        out[index.to(self.device)] = result.to(out.dtype)
+        for i, slot in enumerate(slots):
+            how = self._contracts[slot].capture
+            if how is not None:
+                self._attention.setdefault(slot, {})[layer] = reduce_heads(probs[i], how)
+        return out
+
+    def _stored_keys(self, keys: torch.Tensor, positions: torch.Tensor,
+                     contract: RowContract) -> torch.Tensor:
+        """Keys as a request's contract stores them: cache-local ones un-rotated from their
+        original positions (in fp32, then back to the keys' dtype)."""
+        if not contract.cache_local:
+            return keys
+        if self._rotary is None:
+            self._rotary = RotaryEmbedding(self.config.rope, self.config.head_dim)
+        back = -positions.to(keys.device, torch.long)
+        return rotate(keys.float(), back, self._rotary).to(keys.dtype)
 
     def _invalidate(self) -> None:
         """Page tables changed: the device copies and the attention plans are stale."""
@@ -578,7 +725,8 @@ class DecodeCache(SlottedCache):
                 "pool", f"pages of d_h {pool.head_dim} {pool.dtype} on {pool.device}; this cache "
                 f"needs d_h {self.config.head_dim} {self.dtype} on {self.device}")
 
-    def _new_slot(self, request_id: str, frontier: int, lease: PageLease | None) -> int:
+    def _new_slot(self, request_id: str, frontier: int, lease: PageLease | None,
+                  contract: RowContract = RowContract()) -> int:
         if request_id in self.request_ids:
             raise InvalidModelInput("request_id", f"{request_id!r} is already admitted")
         slot = self.batch_size
@@ -589,6 +737,8 @@ class DecodeCache(SlottedCache):
         self.request_ids.append(request_id)
         self._leases.append(lease if lease is not None else self.pool.ledger.reserve(0, request_id))
         self._own_lease.append(lease is None)
+        self._contracts.append(contract)  # a cache-local one's keys built `_rotary` already
+        self._compacted.append(False)
         self._frontier[slot] = frontier
         self._lengths[:, slot] = 0
         self._pages[:, slot] = 0

@@ -89,6 +89,23 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x `[N, H, d_h]` by per-token cos/sin `[N, d_h]` (HF rotate-half convention)."""
+    return _rotate_half(x, cos[:, None, :], sin[:, None, :])
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    """x `[*P, ..., d_h]` (keys or queries) rotated by RoPE to `positions` `[*P]` int: each
+    position covers the dims of x after its own (e.g. x `[N, H, d_h]` with positions `[N]` or
+    `[N, H]`). The one RoPE helper outside the model's forward: cache-local positions
+    (StreamingLLM) rotate pre-RoPE keys by their slot in the cache, and a negative position
+    undoes a rotation (post-RoPE keys back to pre-RoPE, up to rounding). Same arithmetic as
+    the model's own rotation: `rotate(k, p, model.rotary)` is bit-equal to what the model
+    caches for a key at position p."""
+    cos, sin = rotary(positions.reshape(-1), x.dtype)  # [prod(P), d_h]
+    shape = (*positions.shape, *([1] * (x.dim() - positions.dim() - 1)), x.shape[-1])
+    return _rotate_half(x, cos.view(shape), sin.view(shape))
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos + rotated * sin

@@ -30,6 +30,10 @@ defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpo
 | recall_rows_total, recall_bytes_total        | decode           | rows and K/V + position bytes recalled  |
 | recall_seconds                               | decode           | one recall, asked to rows in hand       |
 | recall_fallbacks_total{kind}                 | decode           | declared fallbacks taken (e.g. recall_timeout:continue_lossy) |
+| decode_retention_resident_rows               | decode           | decode-time retention: rows of a request's fullest owner after a step |
+| decode_retention_over_budget_total           | decode           | steps after which an owner held more rows than its budget (stays 0) |
+| decode_retention_evicted_rows_total          | decode           | rows evicted by decode-time retention   |
+| decode_retention_publications_total{outcome} | decode           | successor states told to the policy service: published, unavailable |
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ DEFAULT_METRICS_PORTS = {"gateway": 9091, "policy": 9092, "prefill": 9093, "deco
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # Calls that are probes or tooling, not requests.
 _UNMEASURED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
@@ -156,6 +161,16 @@ RECALL_SECONDS = _unregistered(Histogram, "kvrelay_recall_seconds",
                                "One recall, from asking to the rows in hand (or giving up)", buckets=LATENCY_BUCKETS)
 RECALL_FALLBACKS = _unregistered(Counter, "kvrelay_recall_fallbacks",
                                  "Declared fallbacks taken, e.g. recall_timeout:continue_lossy", ("kind",))
+RETENTION_RESIDENT = _unregistered(Histogram, "kvrelay_decode_retention_resident_rows",
+                                   "Rows of a retaining request's fullest (layer, owner) after a decode step",
+                                   buckets=ROW_BUCKETS)
+RETENTION_OVER_BUDGET = _unregistered(Counter, "kvrelay_decode_retention_over_budget",
+                                      "Decode steps after which an owner held more rows than its declared budget")
+RETENTION_EVICTED = _unregistered(Counter, "kvrelay_decode_retention_evicted_rows",
+                                  "Rows evicted by decode-time retention")
+RETENTION_PUBLICATIONS = _unregistered(Counter, "kvrelay_decode_retention_publications",
+                                       "Retention successor states told to the policy service, by outcome",
+                                       ("outcome",))
 
 _COMMON: tuple[Collector, ...] = (RPC_REQUESTS, RPC_DURATION)
 _TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUPS_CREATED, PAIR_GROUPS_EVICTED)
@@ -167,7 +182,8 @@ ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
                 OFFLOAD_STORE_BYTES, OFFLOAD_REFUSALS, OFFLOAD_RELEASED, OFFLOAD_RECALLS_SERVED, *_TRANSFER),
     "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED, DECODE_KV_ALLOCATED,
                DECODE_BATCH, DECODE_TOKENS, DECODE_TPOT, DECODE_NON_FINITE, RECALLS, RECALL_ROWS, RECALL_BYTES,
-               RECALL_SECONDS, RECALL_FALLBACKS, *_TRANSFER),
+               RECALL_SECONDS, RECALL_FALLBACKS, RETENTION_RESIDENT, RETENTION_OVER_BUDGET, RETENTION_EVICTED,
+               RETENTION_PUBLICATIONS, *_TRANSFER),
 }
 
 

@@ -124,4 +124,7 @@ def kvrelay_summary(summary: gateway_pb2.GenerateSummary) -> dict[str, Any]:
         "trace_id": summary.trace_id,
         "prefill_worker": summary.prefill_worker,
         "decode_worker": summary.decode_worker,
+        **({"retention": {f.name: getattr(summary.retention, f.name)
+                          for f in summary.retention.DESCRIPTOR.fields}}
+           if summary.HasField("retention") else {}),
     }

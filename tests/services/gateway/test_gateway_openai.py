@@ -10,8 +10,11 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
+from rich.table import Table
 
 from services.gateway.admission import WorkersBusy
+from services.gateway.console import summary_table
 from services.gateway.errors import (
     DeadlineExceeded,
     PermissionDenied,
@@ -21,9 +24,10 @@ from services.gateway.errors import (
 )
 from services.gateway.openai_api.convert import openai_param, parse_body
 from services.gateway.openai_api.errors import http_error
+from services.gateway.openai_api.responses import kvrelay_summary
 from services.gateway.openai_api.stops import StopMatcher, check_stops
 from services.rpc.errors import InvalidArgument, NotFound, ServiceError, Unavailable
-from services.rpc.kvrelay.v1 import common_pb2
+from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2
 
 MODEL = "tiny"
 
@@ -164,3 +168,24 @@ def test_an_unknown_error_is_a_500_that_says_only_its_type() -> None:
     assert answer.status == 500 and "secret" not in answer.body["error"]["message"]
     long = http_error(InvalidArgument("x" * 5000, field="prompt"))
     assert len(long.body["error"]["message"].encode()) <= 1024
+
+
+def test_the_kvrelay_block_says_the_decode_time_retention_when_there_is_one() -> None:
+    summary = gateway_pb2.GenerateSummary(request_id="r", retained_rows=40)
+    assert "retention" not in kvrelay_summary(summary)
+    assert "decode-time retention" not in _rendered(summary_table(summary))
+    summary.retention.CopyFrom(common_pb2.RetentionSummary(
+        prompt_method="snapkv", decode_method="h2o", positions="original", budget_rows=1024,
+        resident_max=1024, score_state_bytes_per_row=12, score_state_bytes=4096,
+        layout="compacted", evicted_rows=77, publications=3))
+    block = kvrelay_summary(summary)["retention"]
+    assert block["decode_method"] == "h2o" and block["budget_rows"] == 1024  # ints, not strings
+    assert block["publications"] == 3 and len(block) == 10
+    text = _rendered(summary_table(summary))
+    assert "snapkv + h2o (original)" in text and "1024 / 1024" in text and "77 / 3" in text
+
+
+def _rendered(table: Table) -> str:
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text()

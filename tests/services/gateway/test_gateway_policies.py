@@ -16,6 +16,7 @@ from services.gateway.policies import DefaultManifestConflict, ManifestResolver,
 from services.gateway.validation import ManifestChoice
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import DType, TensorContract, default_manifests
+from services.kvpolicy.retention_manifests import retention_manifests
 from services.policy import PolicyClient, PolicyClientConfig
 from services.redis_embedded import EmbeddedRedis
 from services.rpc.errors import InvalidArgument
@@ -33,7 +34,9 @@ async def client(policy_server: PolicyServer) -> AsyncIterator[PolicyClient]:
 
 async def test_defaults_register_once_and_conflicts_name_the_policy(client: PolicyClient) -> None:
     first = await register_defaults(client, SERVED, timeout_s=5.0)
-    assert sorted(r.ref.name for r in first) == sorted([*default_manifests(SERVED), "snapkv-recall"])
+    assert sorted(r.ref.name for r in first) == sorted(
+        [*default_manifests(SERVED), "snapkv-recall", *retention_manifests(SERVED)]
+    )
     assert all(r.created for r in first)
     again = await register_defaults(client, SERVED, timeout_s=5.0)
     assert [r.ref for r in again] == [r.ref for r in first] and not any(r.created for r in again)

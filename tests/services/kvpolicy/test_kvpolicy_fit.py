@@ -35,6 +35,7 @@ from services.kvpolicy.manifest import (
     UpdateCadence,
     default_manifests,
 )
+from services.kvpolicy.retention_manifests import retention_manifests
 
 SERVED = TensorContract(2, 4, 2, 16, DType.FLOAT32, DType.FLOAT32)
 MANIFEST = default_manifests(SERVED)["snapkv"]
@@ -60,13 +61,15 @@ def test_the_resolved_head_map_decides() -> None:
     assert caught.value.field == "tensor.q_to_kv_head_map"
 
 
+RECALL = RecoverabilityContract(
+    RecoverabilityMode.RECALLABLE_REMOTE, recall_threshold=0.1, page_size=16,
+    max_pages_per_step=4, recall_cadence_steps=1, recall_timeout_ms=100,
+    timeout_fallback=TimeoutFallback.CONTINUE_LOSSY,
+)
+
+
 def test_recallable_remote_needs_an_offload_store() -> None:
-    recall = RecoverabilityContract(
-        RecoverabilityMode.RECALLABLE_REMOTE, recall_threshold=0.1, page_size=16,
-        max_pages_per_step=4, recall_cadence_steps=1, recall_timeout_ms=100,
-        timeout_fallback=TimeoutFallback.CONTINUE_LOSSY,
-    )
-    remote = replace(MANIFEST, recoverability=recall)
+    remote = replace(MANIFEST, recoverability=RECALL)
     check_fits(remote, Deployment(SERVED))
     with pytest.raises(ManifestUnfit) as caught:
         check_fits(remote, Deployment(SERVED, offload_store=False))
@@ -81,16 +84,16 @@ def refused(manifest: KVVisibilityPolicyManifest, deployment: Deployment = Deplo
     return caught.value.field
 
 
-@pytest.mark.parametrize("phase", [Phase.BOTH, Phase.DECODE])
 @pytest.mark.parametrize("name", ["window", "sink-recent"])
-def test_decode_time_retention_is_refused_until_it_is_performed(phase: Phase, name: str) -> None:
+def test_decode_time_retention_fits_when_it_evicts_for_good(name: str) -> None:
     served = default_manifests(SERVED)[name]
     assert (served.selection.phase, served.selection.update_cadence) == (
         Phase.PREFILL, UpdateCadence.PREFILL_ONCE)  # what happens: selected once, then appends
     check_fits(served, Deployment(SERVED))
-    retained = replace(served, selection=replace(
-        served.selection, phase=phase, update_cadence=UpdateCadence.EVERY_STEP))
-    assert refused(retained) == "selection.update_cadence"
+    for retained in retention_manifests(SERVED).values():  # every method, both positions
+        check_fits(retained, Deployment(SERVED))
+    recallable = replace(retention_manifests(SERVED)["snapkv-h2o"], recoverability=RECALL)
+    assert refused(recallable) == "recoverability.mode"  # evicted rows never come back
     full = default_manifests(SERVED)["full"]
     assert full.selection.phase is Phase.BOTH  # appends only: nothing is ever dropped
     check_fits(full, Deployment(SERVED))

@@ -79,6 +79,21 @@ from services.kvpolicy.manifest import (
 )
 from services.kvpolicy.packing import PackedKVView, SourceCache
 from services.kvpolicy.receipt import Receipt, make_receipt, receipt_digest, verify_receipt
+from services.kvpolicy.retention import (
+    append,
+    key_positions,
+    new_state,
+    reduce_query_heads,
+    state_bytes_per_row,
+    step,
+)
+from services.kvpolicy.retention_contract import (
+    KeyformerParams,
+    RetentionContract,
+    RetentionMethod,
+    ScissorhandsParams,
+)
+from services.kvpolicy.retention_manifests import retention_manifests
 from services.kvpolicy.state import KVPolicyState, PositionGrid
 from services.offload.errors import RecallUnavailable
 from services.offload.plan import offload_plan
@@ -217,7 +232,22 @@ def bases() -> dict[str, Manifest]:
         recall = with_recall(snap, KNOBS, mode=mode)
         name = f"snapkv-{mode.value.replace('_', '-')}"
         out[name] = dataclasses.replace(recall, name=name, policy_manifest_id=f"{name}@1")
+    retaining = retention_manifests(TENSOR, budget_rows=10, sinks=1)
+    short = {"recent_window": 3, "publish_every_steps": 4}
+    out["scissorhands"] = retained(retaining["scissorhands"], scissorhands=ScissorhandsParams(
+        history_window=4, drop_batch=2), **short)
+    out["keyformer"] = retained(retaining["keyformer"], keyformer=KeyformerParams(
+        schedule_steps=6, noise_seed=1), **short)
     return out
+
+
+def retained(manifest: Manifest, **fields: Any) -> Manifest:
+    """`manifest` with its decode-time retention contract changed."""
+    selection = manifest.selection
+    assert selection.retention is not None
+    retention = dataclasses.replace(selection.retention, **fields)
+    return dataclasses.replace(manifest, selection=dataclasses.replace(selection,
+                                                                       retention=retention))
 
 
 BASES = bases()
@@ -257,7 +287,33 @@ def serve_manifest(manifest: Manifest) -> dict[str, Any]:
         served[f"ledger[{index}]"] = packed.ledger
         if manifest.recoverability.recallable:
             served[f"recall[{index}]"] = recall_behaviour(manifest, prefill, packed)
+    if manifest.selection.retention is not None:
+        served["retention"] = retention_behaviour(manifest)
     return served
+
+
+def retention_behaviour(manifest: Manifest, steps: int = 16) -> tuple[Any, ...]:
+    """What the decode worker's retention does over `steps` decode steps of fixed query-head
+    attention: the rows kept, their scores, where their keys are rotated, when it publishes."""
+    contract = manifest.selection.retention
+    assert contract is not None
+    owners, start = L * manifest.num_owners, 6
+    state = new_state(contract, torch.arange(start).expand(owners, start).clone(),
+                      torch.full((owners,), start))
+    generator = torch.Generator().manual_seed(9)
+    trace = []
+    for t in range(steps):
+        state = append(contract, state, torch.full((owners,), start + t))
+        logits = 3 * torch.randn((L, H_Q, state.rows), generator=generator)  # peaked
+        probs = torch.softmax(logits, dim=-1)
+        attn = reduce_query_heads(probs, H_Q // H_KV, contract.score_owner).reshape(owners, -1)
+        out = step(contract, state, attn, t)
+        state = out.state
+        scores = [x.tolist() if x is not None else None
+                  for x in (state.scores, state.low_count, state.low_bits)]
+        trace.append((out.keep.tolist(), key_positions(contract, state).tolist(), scores,
+                      contract.publishes_after(t, last=t == steps - 1)))
+    return tuple(map(str, trace)), state_bytes_per_row(contract)
 
 
 def recall_behaviour(manifest: Manifest, prefill: Prefill, packed: Compressed) -> tuple[Any, ...]:
@@ -384,8 +440,10 @@ def manifest_changes(manifest: Manifest) -> Iterator[tuple[str, Any]]:
 
 
 def donor(path: str) -> Any:
-    """The plain value at `path` of the first base that has one."""
-    for manifest in BASES.values():
+    """The plain value at `path` of the first base (or decode-time retention policy) that has
+    one."""
+    retaining = retention_manifests(TENSOR, budget_rows=24, sinks=2).values()
+    for manifest in (*BASES.values(), *retaining):
         value = get_path(manifest.to_dict(), path)
         if value is not None:
             return value
@@ -394,7 +452,9 @@ def donor(path: str) -> Any:
 
 def get_path(data: Any, path: str) -> Any:
     for key in path.split("."):
-        data = data[key]
+        data = data.get(key)  # a null field added later is left out of the plain data
+        if data is None:
+            return None
     return data
 
 
@@ -554,7 +614,7 @@ def body_of(receipt: Receipt) -> dict[str, Any]:
 def rule_mutations() -> Iterator[Mutation]:
     """One mutation per rule of issue 14 (items 1 and 5, and the bindings of items 2-4) that
     changes more than one field at once, each naming the field it is refused by."""
-    snap, window, full = BASES["snapkv"], BASES["window"], BASES["full"]
+    snap, full = BASES["snapkv"], BASES["full"]
 
     def verified(receipt: Receipt, view: PackedKVView) -> dict[str, Any]:
         verify_receipt(receipt, manifest_sha256=receipt.manifest_sha256, view=view)
@@ -567,8 +627,10 @@ def rule_mutations() -> Iterator[Mutation]:
     def refit(base: Manifest, **parts: Any) -> Callable[[], dict[str, Any]]:
         return lambda: fits(dataclasses.replace(base, **parts))
 
-    retention = dataclasses.replace(window.selection, phase=Phase.BOTH,
-                                    update_cadence=UpdateCadence.EVERY_STEP)
+    remote = BASES["snapkv-recallable-remote"]
+    retention = dataclasses.replace(remote.selection, phase=Phase.BOTH,
+                                    update_cadence=UpdateCadence.EVERY_STEP,
+                                    retention=RetentionContract(RetentionMethod.H2O, 24, 8))
     replacement = RepresentationContract(RowKind.REPLACEMENT_ROWS, Fidelity.LOSSY_REPLACEMENT,
                                          consumer_schema="merged-rows.v1")
     pre_rope = dataclasses.replace(TENSOR, key_positional_stage=KeyPositionalStage.PRE_ROPE)
@@ -583,7 +645,7 @@ def rule_mutations() -> Iterator[Mutation]:
     snap_view = compressed_base("snapkv").view
     v_shifted = dataclasses.replace(snap_view, packed_v=torch.roll(snap_view.packed_v, 1, dims=0))
     rules: list[tuple[str, str, Callable[[], dict[str, Any]]]] = [
-        ("window", "selection.update_cadence", refit(window, selection=retention)),
+        ("snapkv-recallable-remote", "recoverability.mode", refit(remote, selection=retention)),
         ("snapkv", "representation.rows", refit(snap, representation=replacement)),
         ("snapkv", "tensor.key_positional_stage",
          lambda: fits(dataclasses.replace(snap, tensor=pre_rope), Deployment(pre_rope))),

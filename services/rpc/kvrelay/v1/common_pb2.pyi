@@ -240,6 +240,30 @@ class Ledger(_message.Message):
     compaction_workspace_bytes: int
     def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_owners: _Optional[int] = ..., owners_are_query_heads: _Optional[bool] = ..., prompt_rows: _Optional[int] = ..., visible_rows: _Optional[int] = ..., unique_kv_rows: _Optional[int] = ..., query_expanded_rows: _Optional[int] = ..., source_rows: _Optional[int] = ..., observation_bytes: _Optional[int] = ..., score_bytes: _Optional[int] = ..., score_workspace_bytes: _Optional[int] = ..., allocator_workspace_bytes: _Optional[int] = ..., selection_workspace_bytes: _Optional[int] = ..., compaction_workspace_bytes: _Optional[int] = ...) -> None: ...
 
+class RetentionSummary(_message.Message):
+    __slots__ = ("prompt_method", "decode_method", "positions", "budget_rows", "resident_max", "score_state_bytes_per_row", "score_state_bytes", "layout", "evicted_rows", "publications")
+    PROMPT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    DECODE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_MAX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_STATE_BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    SCORE_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATIONS_FIELD_NUMBER: _ClassVar[int]
+    prompt_method: str
+    decode_method: str
+    positions: str
+    budget_rows: int
+    resident_max: int
+    score_state_bytes_per_row: int
+    score_state_bytes: int
+    layout: str
+    evicted_rows: int
+    publications: int
+    def __init__(self, prompt_method: _Optional[str] = ..., decode_method: _Optional[str] = ..., positions: _Optional[str] = ..., budget_rows: _Optional[int] = ..., resident_max: _Optional[int] = ..., score_state_bytes_per_row: _Optional[int] = ..., score_state_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., evicted_rows: _Optional[int] = ..., publications: _Optional[int] = ...) -> None: ...
+
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -113,7 +113,7 @@ class DecodeEvent(_message.Message):
     def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[DecodeSummary, _Mapping]] = ...) -> None: ...
 
 class DecodeSummary(_message.Message):
-    __slots__ = ("output_tokens", "tpot_ms", "finish_reason", "generations", "ledger", "recalled_rows", "recall_count", "fallbacks", "verified_receipt_digest", "retained_rows")
+    __slots__ = ("output_tokens", "tpot_ms", "finish_reason", "generations", "ledger", "recalled_rows", "recall_count", "fallbacks", "verified_receipt_digest", "retained_rows", "retention")
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class DecodeSummary(_message.Message):
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_RECEIPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RETAINED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     output_tokens: int
     tpot_ms: float
     finish_reason: _common_pb2.FinishReason
@@ -134,4 +135,5 @@ class DecodeSummary(_message.Message):
     fallbacks: _containers.RepeatedScalarFieldContainer[str]
     verified_receipt_digest: str
     retained_rows: int
-    def __init__(self, output_tokens: _Optional[int] = ..., tpot_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., generations: _Optional[_Union[_common_pb2.Generations, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., recalled_rows: _Optional[int] = ..., recall_count: _Optional[int] = ..., fallbacks: _Optional[_Iterable[str]] = ..., verified_receipt_digest: _Optional[str] = ..., retained_rows: _Optional[int] = ...) -> None: ...
+    retention: _common_pb2.RetentionSummary
+    def __init__(self, output_tokens: _Optional[int] = ..., tpot_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., generations: _Optional[_Union[_common_pb2.Generations, _Mapping]] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., recalled_rows: _Optional[int] = ..., recall_count: _Optional[int] = ..., fallbacks: _Optional[_Iterable[str]] = ..., verified_receipt_digest: _Optional[str] = ..., retained_rows: _Optional[int] = ..., retention: _Optional[_Union[_common_pb2.RetentionSummary, _Mapping]] = ...) -> None: ...

@@ -54,7 +54,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, token: _Optional[_Union[_common_pb2.TokenEvent, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
-    __slots__ = ("request_id", "ttft_ms", "tpot_ms", "prompt_tokens", "output_tokens", "finish_reason", "manifest_sha256", "generations", "retained_rows", "omitted_rows", "recalled_rows", "bytes_moved", "ledger", "fallbacks", "trace_id", "prefill_worker", "decode_worker")
+    __slots__ = ("request_id", "ttft_ms", "tpot_ms", "prompt_tokens", "output_tokens", "finish_reason", "manifest_sha256", "generations", "retained_rows", "omitted_rows", "recalled_rows", "bytes_moved", "ledger", "fallbacks", "trace_id", "prefill_worker", "decode_worker", "retention")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateSummary(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_ms: float
     tpot_ms: float
@@ -89,4 +90,5 @@ class GenerateSummary(_message.Message):
     trace_id: str
     prefill_worker: str
     decode_worker: str
-    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., manifest_sha256: _Optional[str] = ..., generations: _Optional[_Union[_common_pb2.Generations, _Mapping]] = ..., retained_rows: _Optional[int] = ..., omitted_rows: _Optional[int] = ..., recalled_rows: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., trace_id: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    retention: _common_pb2.RetentionSummary
+    def __init__(self, request_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., manifest_sha256: _Optional[str] = ..., generations: _Optional[_Union[_common_pb2.Generations, _Mapping]] = ..., retained_rows: _Optional[int] = ..., omitted_rows: _Optional[int] = ..., recalled_rows: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., ledger: _Optional[_Union[_common_pb2.Ledger, _Mapping]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., trace_id: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., retention: _Optional[_Union[_common_pb2.RetentionSummary, _Mapping]] = ...) -> None: ...
