@@ -332,8 +332,11 @@ class PolicyStore:
         try:
             return await self._get_manifest(sha256)
         except NotFound:
-            if not await self.republish(sha256):
+            if self.archive is None or self.archive.get(sha256) is None:
                 raise
+            # Read again whatever republish reports: the recovery loop (or another replica)
+            # may have written it back meanwhile, so that this call created nothing.
+            await self.republish(sha256)
         return await self._get_manifest(sha256)
 
     async def _get_manifest(self, sha256: str) -> StoredManifest:
@@ -350,7 +353,10 @@ class PolicyStore:
         """Every manifest, or those of one policy name, sorted by (name, policy_generation);
         if the archive holds more than Redis does, it writes them back first."""
         refs = await self._list_manifests(name)
-        if self.archive is not None and len(refs) < self.archive.count(name) and await self.republish():
+        if self.archive is not None and len(refs) < self.archive.count(name):
+            # Listed again even if republish created nothing: a concurrent write-back (the
+            # recovery loop, another replica) may have restored them after the first read.
+            await self.republish()
             refs = await self._list_manifests(name)
         return refs
 
