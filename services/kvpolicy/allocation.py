@@ -164,7 +164,8 @@ def adakv_raw_counts(layer_scores: torch.Tensor, budget: int) -> list[int]:
         return [0] * num_owners
     flat = layer_scores.transpose(0, 1).reshape(-1)  # [T_p * H_owner], position-major
     kept = top_k_mask(flat, budget, TieRule.POSITION_ASCENDING).view(prefix_len, num_owners)
-    return [int(c) for c in kept.count_nonzero(dim=0).tolist()]
+    # One owner at a time: a count over a dimension casts the whole mask to int64 first (8 n).
+    return [int(kept[:, owner].count_nonzero()) for owner in range(num_owners)]
 
 
 def headkv_budgets(

@@ -270,11 +270,20 @@ def _check_grid(
 
 
 def _unique_kv_rows(grid: PositionGrid, owner_to_kv_head: Sequence[int]) -> int:
-    """Distinct (layer, K/V head, position) rows among query-head owners' positions."""
+    """Distinct (layer, K/V head, position) rows among query-head owners' positions: each
+    K/V head's readers mark their positions in one mask over the positions (a bool per
+    position, reused), instead of a sorted union of their rows."""
+    if grid.total == 0:
+        return 0
+    seen = torch.zeros(int(grid.flat.max()) + 1, dtype=torch.bool)
+    readers: dict[int, list[int]] = {}
+    for owner, kv_head in enumerate(owner_to_kv_head):
+        readers.setdefault(kv_head, []).append(owner)
     total = 0
     for layer in range(grid.num_layers):
-        per_kv: dict[int, list[torch.Tensor]] = {}
-        for owner, kv_head in enumerate(owner_to_kv_head):
-            per_kv.setdefault(kv_head, []).append(grid.owner(layer, owner))
-        total += sum(int(torch.unique(torch.cat(rows)).numel()) for rows in per_kv.values())
+        for owners in readers.values():
+            seen.zero_()
+            for owner in owners:
+                seen[grid.owner(layer, owner)] = True
+            total += int(seen.count_nonzero())
     return total

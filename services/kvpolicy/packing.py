@@ -24,7 +24,7 @@ from functools import cached_property
 import torch
 
 from services.kvpolicy.errors import PackingError
-from services.kvpolicy.state import KVPolicyState, PositionGrid
+from services.kvpolicy.state import KVPolicyState, PositionGrid, every
 
 # Metadata dtypes are part of the wire contract (and of the byte ledger): a view with
 # R_total rows carries 4 * R_total bytes of position map and 4 * L * (H+1) bytes of offsets.
@@ -152,7 +152,10 @@ def materialize(
         if claimed != actual:
             raise PackingError(field, f"the state has {claimed}, the source cache {actual}")
     positions = state.selected_positions
-    return pack(source.k, source.v, positions, owner_to_kv_head, origin=source.position_origin)
+    # The state checked its grid (ascending inside [origin, frontier), the source's rows),
+    # so packing does not check the same positions again.
+    return pack(source.k, source.v, positions, owner_to_kv_head, origin=source.position_origin,
+                checked=True)
 
 
 def pack(
@@ -162,6 +165,7 @@ def pack(
     owner_to_kv_head: Sequence[int] | None = None,
     *,
     origin: int = 0,
+    checked: bool = False,
 ) -> PackedKVView:
     """Gather the selected rows of `source_k`/`source_v` `[L, H_kv, T, d_h]` into a view.
 
@@ -170,43 +174,36 @@ def pack(
     are the K/V heads unless `owner_to_kv_head` maps each owner (a query head under GQA
     `expand`) to the K/V head its rows come from. K and V are gathered with the same indices
     (their dtypes may differ). Every input is validated before anything is gathered, and the
-    result is validated again before it is returned.
+    result is validated again before it is returned. `checked`: a `KVPolicyState` already
+    checked the grid's positions against these sources (`materialize`).
     """
     num_layers, num_kv_heads, seq_len, _ = _check_sources(source_k, source_v)
     owners = _check_owner_map(owner_to_kv_head, selected, num_layers, num_kv_heads)
     if isinstance(selected, PositionGrid):
         counts = selected.counts.reshape(-1).tolist()  # [L * H_owner]
-        positions = _grid_positions(selected, counts, origin, origin + seq_len)
+        positions = (selected.flat if checked
+                     else _grid_positions(selected, counts, origin, origin + seq_len))
     else:
         segments = [
             selected[layer][owner] for layer in range(num_layers) for owner in range(len(owners))
         ]
         counts = [len(segment) for segment in segments]
         positions = _segment_positions(segments, counts, origin, origin + seq_len, len(owners))
-    index = _gather_index(positions, counts, owners, num_kv_heads, seq_len, origin)
     position_map = positions.to(POSITION_DTYPE)
-    del positions  # only the index is held while the view is gathered and checked
-    index = index.to(source_k.device)
+    rows = positions if origin == 0 else positions - origin  # source rows of each segment
+    rows = rows.to(source_k.device)
+    del positions
     starts = [0, *itertools.accumulate(counts)]
     width = len(owners)
     offsets = [starts[layer * width : (layer + 1) * width + 1] for layer in range(num_layers)]
+    sources = [layer * num_kv_heads + owners[owner]
+               for layer in range(num_layers) for owner in range(width)]
     return PackedKVView(
-        packed_k=_gather(source_k, index),
-        packed_v=_gather(source_v, index),
+        packed_k=_gather(source_k, rows, starts, sources),
+        packed_v=_gather(source_v, rows, starts, sources),
         original_position_map=position_map,
         row_offsets=torch.tensor(offsets, dtype=OFFSET_DTYPE),
     )
-
-
-def _gather_index(positions: torch.Tensor, counts: list[int], owners: list[int],
-                  num_kv_heads: int, seq_len: int, origin: int) -> torch.Tensor:
-    """The flat source row of every packed row `[R_total]` int64: its segment's (layer, K/V
-    head) base plus its position (one int64 buffer; the per-segment bases die here)."""
-    heads = torch.tensor(owners, dtype=torch.long)
-    layers = len(counts) // len(owners)
-    bases = (torch.arange(layers)[:, None] * num_kv_heads + heads[None, :]).reshape(-1)
-    index = torch.repeat_interleave(bases * seq_len - origin, torch.tensor(counts))
-    return index.add_(positions)
 
 
 def _grid_positions(grid: PositionGrid, counts: list[int], lo: int, hi: int) -> torch.Tensor:
@@ -260,7 +257,7 @@ def _ascending_inside(positions: torch.Tensor, counts: Sequence[int], lo: int, h
     starts = [s for s in itertools.accumulate(counts) if 0 < s < total]
     if starts:
         steps[torch.tensor(starts, dtype=torch.long) - 1] = True  # a segment restarts anywhere
-    return bool(steps.all())
+    return every(steps)
 
 
 def validate_view(
@@ -299,9 +296,21 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return int(tensor.numel() * tensor.element_size())
 
 
-def _gather(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    head_dim = int(source.shape[-1])
-    return source.reshape(-1, head_dim).index_select(0, index)  # [R_total, d_h]
+def _gather(
+    source: torch.Tensor, rows: torch.Tensor, starts: Sequence[int], sources: Sequence[int]
+) -> torch.Tensor:
+    """`[R_total, d_h]`: packed rows `starts[i]:starts[i + 1]` are rows `rows[...]` of the
+    (layer, K/V head) image `sources[i]` of `source [L, H_kv, T, d_h]`, each segment gathered
+    straight into its place in the output: no flat gather index is built, and one segment's
+    source rows stay in cache while it is copied."""
+    num_layers, num_kv_heads, seq_len, head_dim = (int(x) for x in source.shape)
+    images = source.reshape(num_layers * num_kv_heads, seq_len, head_dim)
+    out = torch.empty(starts[-1], head_dim, dtype=source.dtype, device=source.device)
+    for number, image in enumerate(sources):
+        lo, hi = starts[number], starts[number + 1]
+        if hi > lo:
+            torch.index_select(images[image], 0, rows[lo:hi], out=out[lo:hi])
+    return out
 
 
 def _check_sources(source_k: torch.Tensor, source_v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -415,7 +424,7 @@ def _check_position_map(position_map: torch.Tensor, total_rows: int) -> torch.Te
         raise PackingError(field, f"dtype {position_map.dtype}, expected {POSITION_DTYPE}")
     if position_map.dim() != 1 or int(position_map.shape[0]) != total_rows:
         raise PackingError(field, f"shape {tuple(position_map.shape)}, expected [{total_rows}]")
-    positions = position_map.cpu().long()  # [R_total]
+    positions = position_map.cpu()  # [R_total] int32: compared as it is, not copied to int64
     if total_rows and int(positions.min()) < 0:
         raise PackingError(field, f"negative position {int(positions.min())}")
     return positions
@@ -436,7 +445,7 @@ def _check_segments_ascending(
         [s for row in offsets for s in row[:-1] if 0 < s < total_rows], dtype=torch.long
     )
     ascending[starts - 1] = True  # a segment boundary may restart at any position
-    if not bool(ascending.all()):
+    if not every(ascending):
         row = int(torch.nonzero(~ascending)[0, 0]) + 1
         layer, owner = _segment_of(row, offsets)
         raise PackingError(

@@ -352,7 +352,13 @@ def _positions_equal(view: PackedKVView, expected: PositionGrid) -> bool:
     offsets = view.row_offsets.cpu().reshape(-1, owners + 1).long()  # [L, H + 1]
     if not torch.equal(expected.counts, offsets[:, 1:] - offsets[:, :-1]):
         return False
-    return torch.equal(expected.flat, view.original_position_map.cpu().long())
+    positions = view.original_position_map.cpu()  # int32
+    flat = expected.flat
+    if positions.shape != flat.shape or positions.dtype != torch.int32:
+        return False
+    if flat.numel() and int(flat.max()) > torch.iinfo(torch.int32).max:
+        return False  # not a position an int32 map holds (and a narrowed copy would wrap)
+    return torch.equal(positions, flat.to(torch.int32))  # a 4 R copy, not an 8 R one
 
 
 def _plain(value: Any) -> Any:

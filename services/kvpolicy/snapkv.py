@@ -78,11 +78,28 @@ def pool_scores(vote: torch.Tensor, pooling: Pooling, kernel: int) -> torch.Tens
     if pooling is Pooling.NONE or kernel == 1 or vote.shape[-1] == 0:
         return vote
     pad = kernel // 2
-    fill = 0.0 if pooling is Pooling.AVG else float("-inf")
-    windows = F.pad(vote, (pad, pad), value=fill).unfold(-1, kernel, 1)  # [..., T_p, kernel]
     if pooling is Pooling.AVG:
-        return windows.sum(dim=-1) / kernel
+        return window_sums(vote, pad).div_(kernel)
+    windows = F.pad(vote, (pad, pad), value=float("-inf")).unfold(-1, kernel, 1)  # [..., T_p, k]
     return windows.amax(dim=-1)
+
+
+def window_sums(vote: torch.Tensor, pad: int) -> torch.Tensor:
+    """`out[..., t] = vote[..., t - pad] + ... + vote[..., t + pad]` (zero outside the row),
+    added left to right: one shifted in-place add per offset into one output, instead of a
+    padded copy and a strided window reduction (whose summation order torch picks by the
+    tensor's size). `[..., T] -> [..., T]`"""
+    length = int(vote.shape[-1])
+    total = torch.zeros_like(vote)
+    for offset in range(-pad, pad + 1):
+        span = length - abs(offset)
+        if span <= 0:
+            continue
+        if offset < 0:  # out[t] += vote[t + offset] for t >= -offset
+            total[..., -offset:] += vote[..., :span]
+        else:
+            total[..., :span] += vote[..., offset:]
+    return total
 
 
 def reduce_gqa(
@@ -98,7 +115,7 @@ def reduce_gqa(
         # same sums, bit for bit, as the gathered groups below.
         grouped = scores.view(*scores.shape[:1], num_kv_heads, group, *scores.shape[2:])
         if reduction is GQAReduction.MEAN:
-            return grouped.sum(dim=2) / group
+            return grouped.sum(dim=2).div_(group)
         return grouped.amax(dim=2)
     groups = [[q for q, kv in enumerate(q_to_kv_head_map) if kv == h] for h in range(num_kv_heads)]
     if reduction is GQAReduction.MEAN:
@@ -243,18 +260,32 @@ def top_k_mask(
     `position_ascending`, the later under `position_descending`). One k-th-value selection
     instead of a sort: every score above the k-th largest is kept and, of those equal to it,
     the first (or last) ones still needed."""
-    n = int(scores.shape[0])
-    threshold = torch.kthvalue(scores, n - k + 1).values  # the k-th largest, 0-d
+    threshold = kth_largest(scores, k)
+    kept = scores >= threshold
+    extra = int(kept.count_nonzero()) - k  # count_nonzero: no int64 copy, unlike sum
+    if extra == 0:  # one row at the threshold, or as many ties as the budget still takes
+        return kept
     above = scores > threshold
-    tied = scores == threshold
-    needed = k - int(above.count_nonzero())  # count_nonzero: no int64 copy, unlike sum
-    ties = int(tied.count_nonzero())
-    rank = tied.cumsum(0, dtype=torch.int32)  # [N] inclusive rank of each tie from the left
-    if tie_rule is TieRule.POSITION_ASCENDING:
-        chosen = tied & (rank <= needed)
-    else:  # the last `needed` ties: left rank above (ties - needed)
-        chosen = tied & (rank > ties - needed)
-    return above | chosen
+    tied = kept.logical_xor_(above).nonzero().flatten()  # the ties' indices, ascending
+    needed = k - int(above.count_nonzero())
+    del kept
+    # position_ascending keeps the first `needed` ties, position_descending the last ones
+    chosen = tied[:needed] if tie_rule is TieRule.POSITION_ASCENDING else tied[extra:]
+    return above.index_fill_(0, chosen, True)
+
+
+def kth_largest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest entry of `scores [N]` (no NaN), 0 < k <= N, as a 0-d tensor: what
+    `torch.kthvalue(scores, N - k + 1)` gives. On the CPU, numpy's introselect partitions a
+    copy in place: it moves values only, where `kthvalue` carries an int64 index with every
+    swap (about 6x slower over a 16K-row owner)."""
+    n = int(scores.shape[0])
+    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+        return torch.kthvalue(scores, n - k + 1).values
+    work = scores.clone()  # the partition's scratch, on torch's allocator
+    values = work.numpy()
+    values.partition(n - k)
+    return work[n - k].clone()
 
 
 def select_snapkv(

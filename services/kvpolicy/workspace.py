@@ -42,11 +42,12 @@ from services.kvpolicy.manifest import (
 _FP32 = 4
 _FP64 = 8
 _INT64 = 8
+_INT32 = 4
 _BOOL = 1
-# torch.kthvalue over n fp32 keys: its contiguous copy of the keys (4 n) and an int64 index
-# buffer (8 n), then the 0-d value and index it returns (4 + 8).
-_KTHVALUE_BYTES_PER_KEY = _FP32 + _INT64
-_KTHVALUE_RESULT_BYTES = _FP32 + _INT64
+# The k-th largest of n fp32 keys (`snapkv.kth_largest`): the partition's scratch copy of the
+# keys (4 n), then the 0-d value it returns (4).
+_KTHVALUE_BYTES_PER_KEY = _FP32
+_KTHVALUE_RESULT_BYTES = _FP32
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,9 @@ def transaction_workspace(
 ) -> Workspace:
     """Every workspace term of compressing a prompt of `prompt_len` tokens under `manifest`
     into a selection retaining `counts` positions per (layer, owner), layer-major."""
+    expanded_span = prompt_len if manifest.expanded_owner_map is not None else 0
     compaction = compaction_workspace_bytes(
-        manifest.tensor.num_layers, manifest.num_owners, sum(counts)
+        manifest.tensor.num_layers, manifest.num_owners, sum(counts), expanded_span
     )
     params = manifest.selection.snapkv
     if manifest.selection.method is not SelectionMethod.SNAPKV or params is None:
@@ -107,9 +109,8 @@ def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequen
     (`snapkv.voted_scores`; V = 4 L H_q T_p is the vote's size):
 
     - `mean` divides the vote: a copy V, held until scoring ends;
-    - pooling (kernel k > 1) of the (divided) vote: the padded vote 4 L H_q (T_p + 2
-      floor(k/2)) and the pooled output V, plus avg's window sum before it divides (its
-      input counts only when it is the divided copy);
+    - pooling (kernel k > 1) of the (divided) vote: the pooled output V, and max's padded
+      vote 4 L H_q (T_p + 2 floor(k/2)) (its input counts only when it is the divided copy);
     - GQA reduction (`mean`/`max`) of the pooled vote, held beside the reduction's own rows
       (`_group_reduction_peak`); `expand` allocates nothing new.
 
@@ -144,14 +145,17 @@ def observation_vote_bytes(layers: int, q_heads: int, prefix: int) -> int:
 
 def _pooling_peak(params: SnapKVParams, shape: _Shape, heads: int) -> int:
     """`snapkv.pool_scores` over `[L, heads, T_p]` fp32 (P bytes): 0 when it returns its input
-    itself (no pooling, kernel 1, no prefix); else input + padded input + output, and avg's sum
-    before it divides: 3P + pad (avg), 2P + pad (max)."""
+    itself (no pooling, kernel 1, no prefix); else the input and its output, avg 2P (its
+    window sums are added into the output and divided in place), and max's padded input
+    beside them, 2P + pad."""
     kernel = params.pooling_kernel
     if params.pooling is Pooling.NONE or kernel == 1 or shape.prefix == 0:
         return 0
     pooled = _FP32 * shape.layers * heads * shape.prefix
+    if params.pooling is Pooling.AVG:
+        return 2 * pooled
     padded = _FP32 * shape.layers * heads * (shape.prefix + 2 * (kernel // 2))
-    return (3 if params.pooling is Pooling.AVG else 2) * pooled + padded
+    return 2 * pooled + padded
 
 
 def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Shape) -> int:
@@ -219,12 +223,20 @@ def _static_selection_bytes(counts: Sequence[int]) -> int:
     return _INT64 * (counts[0] + sum(counts) + len(counts))
 
 
-def compaction_workspace_bytes(num_layers: int, num_owners: int, visible_rows: int) -> int:
-    """What packing holds besides the source and the finished view (`packing.pack` and the
-    view's construction check): the int64 gather index (8 R), the check's int64 copy of the
-    position map (8 R) and its ascending mask (R), and the segment starts it exempts (two
-    int64 tensors of at most L H_o entries)."""
-    return (2 * _INT64 + _BOOL) * visible_rows + 2 * _INT64 * num_layers * num_owners
+def compaction_workspace_bytes(
+    num_layers: int, num_owners: int, visible_rows: int, expanded_span: int = 0
+) -> int:
+    """What packing holds besides the source and the finished view, whichever step holds
+    most: the view's construction check, its ascending mask over the position map (R bool)
+    and the segment starts it exempts (two int64 tensors of at most L H_o entries); the
+    receipt's comparison of the view's positions with the state's, on an int32 copy of the
+    state's (4 R) beside an int64 copy of the view's offsets (8 L (H_o + 1)). Each segment is gathered by its positions straight into the view: no
+    gather index (a source whose positions start past 0, never a prompt's, shifts them
+    first: 8 R more). Under GQA `expand` the ledger counts each K/V head's distinct rows in
+    a mask over the positions (`expanded_span` bools: the prompt)."""
+    check = _BOOL * visible_rows + 2 * _INT64 * num_layers * num_owners
+    receipt = _INT32 * visible_rows + _INT64 * num_layers * (num_owners + 1)
+    return max(check, receipt, _BOOL * expanded_span)
 
 
 def _shape(manifest: KVVisibilityPolicyManifest, params: SnapKVParams, prompt_len: int) -> _Shape:
@@ -249,14 +261,14 @@ def _group_reduction_peak(
     head_map: Sequence[int], row_bytes: int, reduction: GQAReduction = GQAReduction.MEAN
 ) -> int:
     """Peak of `snapkv.reduce_gqa` over `row_bytes` = 4 L T_p rows. Contiguous equal groups
-    (every checkpoint's layout) reduce a view: the H_kv reduced rows, and under `mean` the
-    divided copy beside them (2 H_kv rows). Otherwise group i gathers its G_i query heads'
+    (every checkpoint's layout) reduce a view: the H_kv reduced rows (`mean` divides them
+    in place). Otherwise group i gathers its G_i query heads'
     rows (G_i rows) and reduces them (one row) while the i rows of the groups before it are
     held; then the stack writes H_kv rows beside those H_kv rows."""
     groups = [head_map.count(kv) for kv in range(max(head_map) + 1)]
     size = len(head_map) // len(groups)
     if list(head_map) == [q // size for q in range(len(head_map))]:
-        return (2 if reduction is GQAReduction.MEAN else 1) * len(groups) * row_bytes
+        return len(groups) * row_bytes
     peak = 0
     for done, size in enumerate(groups):
         peak = max(peak, (done + size + 1) * row_bytes)

@@ -122,20 +122,24 @@ def test_the_workspace_terms_follow_the_formulas() -> None:
     assert ledger.observation_bytes == 4 * 2 * 4 * 56 + 2 * 4 * 2
     assert ledger.score_bytes == 4 * 2 * 2 * 56  # [L, H_kv, T - W] fp32
     vote = 4 * 2 * 4 * 56  # [L, H_q, T - W] fp32
-    # avg pooling, kernel 5, of the input vote: the padded vote, the window sum, the output
-    pooling = 2 * vote + 4 * 2 * 4 * (56 + 4)
-    assert ledger.score_workspace_bytes == pooling  # above the GQA reduction (2 x 4 L H_kv T_p)
-    # one layer's position-major copy and its k-th-value selection
-    assert ledger.allocator_workspace_bytes == 16 * 2 * 56 + 12
-    # the last selecting owner's k-th-value selection, beside the protected positions (int64)
-    # and the three owners' chosen positions before it (4 each, int64)
-    assert ledger.selection_workspace_bytes == 12 * 56 + 12 + 8 * 8 + 8 * 3 * 4
-    assert ledger.compaction_workspace_bytes == 17 * 48 + 16 * 2 * 2
+    # avg pooling, kernel 5, adds its window sums into one output (the vote's size), held
+    # beside the GQA reduction's H_kv rows (divided in place)
+    pooling = vote + 2 * 4 * 2 * 56
+    assert ledger.score_workspace_bytes == pooling
+    # one layer's position-major copy and its k-th-value selection's scratch copy and result
+    assert ledger.allocator_workspace_bytes == 8 * 2 * 56 + 4
+    # the finished grid (48 int64 positions, 4 counts) beside the protected positions (int64)
+    # and the four owners' chosen positions (4 each, int64); above the last owner's
+    # k-th-value selection beside the three before it
+    assert ledger.selection_workspace_bytes == 8 * (48 + 4) + 8 * 8 + 8 * 4 * 4
+    # the receipt's int32 copy of the state's positions and int64 copy of the view's
+    # offsets, above the view check's mask
+    assert ledger.compaction_workspace_bytes == 4 * 48 + 8 * 2 * 3
     phases = ledger.transaction_phases
     assert list(phases) == ["score", "allocate", "select", "pack", "offload"]
     observation = 4 * 2 * 4 * 56 + 2 * 4 * 2
     assert phases["score"] == ledger.source_payload_bytes + observation + pooling
-    assert ledger.transaction_peak_bytes == phases["score"] > phases["pack"]
+    assert ledger.transaction_peak_bytes == phases["pack"] > phases["score"]
     view = ledger.visible_payload_bytes + ledger.position_map_bytes + ledger.offsets_bytes
     view += ledger.position_grid_bytes
     assert ledger.position_grid_bytes == 8 * 48 + 8 * 2 * 2
@@ -160,10 +164,11 @@ def test_the_workspace_travels_on_the_wire_and_reaches_the_summary() -> None:
     assert ledger_from_proto(message) == ledger
     tampered = type(message)()
     tampered.CopyFrom(message)
-    tampered.score_workspace_bytes += 4
+    tampered.compaction_workspace_bytes += 4  # a term of the peak phase (pack)
     with pytest.raises(DescriptorInvalid) as caught:
         ledger_from_proto(tampered)
     assert caught.value.field == "ledger" and "transaction_peak_bytes" in caught.value.reason
+    tampered.compaction_workspace_bytes -= 4
     tampered.score_workspace_bytes = -1
     with pytest.raises(DescriptorInvalid) as caught:
         ledger_from_proto(tampered)

@@ -78,6 +78,40 @@ def test_max_pooling_ignores_padding() -> None:
     )
 
 
+def test_avg_pooling_adds_each_window_left_to_right_at_every_size() -> None:
+    # torch's strided window sum picks its summation order by the tensor's size; the pooling
+    # must not: each output is (((v[t-2] + v[t-1]) + v[t]) + v[t+1]) + v[t+2] in float32
+    # (zeros outside the row), at any shape, so equal inputs score equal everywhere.
+    for shape in [(7,), (3, 4, 50), (24, 16, 16368)]:
+        vote = torch.rand(shape, generator=torch.Generator().manual_seed(len(shape))) * 3
+        padded = torch.nn.functional.pad(vote, (2, 2))
+        length = shape[-1]
+        columns = [padded[..., j : j + length] for j in range(5)]
+        total = columns[0]
+        for column in columns[1:]:
+            total = total + column
+        assert torch.equal(snapkv.pool_scores(vote, Pooling.AVG, 5), total / 5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 1024, 16368])
+def test_kth_largest_is_what_kthvalue_selects(n: int) -> None:
+    generator = torch.Generator().manual_seed(n)
+    rows = [
+        torch.rand(n, generator=generator),
+        torch.randint(0, 3, (n,), generator=generator).float(),  # ties everywhere
+        torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), 2.5] * n)[:n],
+    ]
+    for row in rows:
+        for k in sorted({1, max(1, n // 4), max(1, n // 2), n}):
+            expected = torch.kthvalue(row, n - k + 1).values
+            assert snapkv.kth_largest(row, k) == expected
+            kept = snapkv.top_k_mask(row, k) if k < n else None
+            if kept is not None:
+                assert int(kept.count_nonzero()) == k
+    half = torch.rand(64, generator=generator).to(torch.bfloat16)  # numpy has no bfloat16
+    assert snapkv.kth_largest(half, 5) == torch.kthvalue(half, 60).values
+
+
 def test_issue_example_end_to_end() -> None:
     manifest = example_manifest()
     scores = snapkv.score(manifest, example_obs_attn(), 6)

@@ -181,9 +181,9 @@ def test_named_terms_are_the_bytes_of_the_actual_tensors(name: str) -> None:
 
 
 def pooling_buffers(manifest: KVVisibilityPolicyManifest, result: PrefillResult) -> int:
-    """The pooling step's buffers, rebuilt from the runtime's vote: the padded input, the
-    pooled output and avg's sum before it divides, and its input when pooling made it (the
-    owner votes under reduce_then_pool)."""
+    """The pooling step's buffers, rebuilt from the runtime's vote: the pooled output, max's
+    padded input, and its input when pooling made it (the owner votes under
+    reduce_then_pool)."""
     params = manifest.selection.snapkv
     assert params is not None and result.observation_vote is not None
     vote = result.observation_vote.vote  # [L, H_q, T_p], the input
@@ -196,9 +196,8 @@ def pooling_buffers(manifest: KVVisibilityPolicyManifest, result: PrefillResult)
     if pooled is pooled_input:
         return 0
     pad = params.pooling_kernel // 2
-    padded = F.pad(pooled_input, (pad, pad))
-    extra = pooled.nbytes if params.pooling is Pooling.AVG else 0  # avg: sum, then divide
-    return made + padded.nbytes + pooled.nbytes + extra
+    padded = F.pad(pooled_input, (pad, pad)) if params.pooling is Pooling.MAX else None
+    return made + (0 if padded is None else padded.nbytes) + pooled.nbytes
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
