@@ -237,7 +237,20 @@ def vote_scores(
     if gqa_order is GQAOrder.REDUCE_THEN_POOL:
         owner_vote = reduce_gqa(vote, q_to_kv_head_map, gqa_reduction)  # [L, H_owner, T_p]
         return pool_scores(owner_vote, pooling, kernel)
-    return reduce_gqa(pool_scores(vote, pooling, kernel), q_to_kv_head_map, gqa_reduction)
+    if gqa_reduction is GQAReduction.EXPAND or vote.shape[0] <= 1:
+        return reduce_gqa(pool_scores(vote, pooling, kernel), q_to_kv_head_map, gqa_reduction)
+    # One layer at a time: a layer's pooled votes (a megabyte at 16K tokens and 16 query
+    # heads) are reduced while they are still in cache, and the pooled votes of every layer
+    # are never held at once. The same operations on each layer: the same bits.
+    first = reduce_gqa(pool_scores(vote[:1], pooling, kernel), q_to_kv_head_map, gqa_reduction)
+    scores = torch.empty((int(vote.shape[0]), *first.shape[1:]), dtype=first.dtype)
+    scores[0] = first[0]
+    del first
+    for layer in range(1, int(vote.shape[0])):
+        pooled = pool_scores(vote[layer : layer + 1], pooling, kernel)
+        scores[layer] = reduce_gqa(pooled, q_to_kv_head_map, gqa_reduction)[0]
+        del pooled
+    return scores
 
 
 def top_k_positions(

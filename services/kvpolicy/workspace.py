@@ -26,7 +26,7 @@ and the offload stage's gather of omitted rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.kvpolicy.manifest import (
     AllocationMethod,
@@ -129,6 +129,16 @@ def _score_workspace_bytes(params: SnapKVParams, shape: _Shape, head_map: Sequen
         if not reduces and not divided and pooling:  # pooling reads the input vote itself
             pooling -= vote
         return max(divided + groups, divided + pooling)
+    if reduces and shape.layers > 1:
+        # One layer at a time (`snapkv.vote_scores`): the owner scores (the reduction's
+        # output, held from the first layer on) beside one layer's pooled votes and its
+        # reduction, or its pooling's own buffers.
+        layer = replace(shape, layers=1)
+        pooling = _pooling_peak(params, layer, shape.q_heads)
+        pooled = _FP32 * shape.q_heads * shape.prefix if pooling else 0
+        made = pooling - pooled  # the layer's input is a view of the vote
+        group = _group_reduction_peak(head_map, _FP32 * shape.prefix, params.gqa_reduction)
+        return divided + _score_bytes(shape) + max(made, pooled + group)
     pooling = _pooling_peak(params, shape, shape.q_heads)
     if pooling and not divided:
         pooling -= vote  # the input vote is not workspace

@@ -122,9 +122,9 @@ def test_the_workspace_terms_follow_the_formulas() -> None:
     assert ledger.observation_bytes == 4 * 2 * 4 * 56 + 2 * 4 * 2
     assert ledger.score_bytes == 4 * 2 * 2 * 56  # [L, H_kv, T - W] fp32
     vote = 4 * 2 * 4 * 56  # [L, H_q, T - W] fp32
-    # avg pooling, kernel 5, adds its window sums into one output (the vote's size), held
-    # beside the GQA reduction's H_kv rows (divided in place)
-    pooling = vote + 2 * 4 * 2 * 56
+    # one layer at a time: the owner scores [L, H_kv, T - W], beside one layer's pooled votes
+    # (avg pooling adds its window sums into one output) and their H_kv reduced rows
+    pooling = 4 * 2 * 2 * 56 + vote // 2 + 2 * 4 * 56
     assert ledger.score_workspace_bytes == pooling
     # one layer's position-major copy and its k-th-value selection's scratch copy and result
     assert ledger.allocator_workspace_bytes == 8 * 2 * 56 + 4

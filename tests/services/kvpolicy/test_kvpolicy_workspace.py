@@ -183,11 +183,13 @@ def test_named_terms_are_the_bytes_of_the_actual_tensors(name: str) -> None:
 def pooling_buffers(manifest: KVVisibilityPolicyManifest, result: PrefillResult) -> int:
     """The pooling step's buffers, rebuilt from the runtime's vote: the pooled output, max's
     padded input, and its input when pooling made it (the owner votes under
-    reduce_then_pool)."""
+    reduce_then_pool); of one layer when the scores are made one layer at a time."""
     params = manifest.selection.snapkv
     assert params is not None and result.observation_vote is not None
     vote = result.observation_vote.vote  # [L, H_q, T_p], the input
     pooled_input, made = vote, 0
+    if params.gqa_reduction is not GQAReduction.EXPAND and vote.shape[0] > 1:
+        pooled_input = vote[:1]  # pool_then_reduce pools (and reduces) one layer at a time
     if params.gqa_order is GQAOrder.REDUCE_THEN_POOL:
         head_map = manifest.tensor.resolved_q_to_kv_head_map()
         pooled_input = snapkv.reduce_gqa(vote, head_map, params.gqa_reduction)  # [L, H_o, T_p]
