@@ -11,9 +11,11 @@ prefill). Every stage is timed through
 `compress`'s own `observe` hook (what the prefill worker's spans wrap), in CPU time of the
 calling thread (torch runs on it alone at 1 thread), so time the thread spends descheduled on a
 shared machine is not counted; each figure is the median over `repeats` compressions of the
-same prompt. The sampler is timed the same way (median of 5 x `repeats` calls) on a batch of
-mixed sampling parameters (greedy, seeded temperature, top-k, top-p). Writes a Markdown summary;
-with `--baseline` (the JSON of an earlier run, `--json-out`), the before / after ratios too.
+same prompt, each after the previous one's view was released (as a prefill worker releases
+a view once it is sent). The sampler is timed the same way (median of 5 x `repeats` calls)
+on a batch of mixed sampling parameters (greedy, seeded temperature, top-k, top-p). Writes a
+Markdown summary; with `--baseline` (the JSON of an earlier run, `--json-out`), the before /
+after ratios too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from services.benchmark.errors import InvalidBenchConfig
-from services.kvpolicy.compress import STAGES, StateIdentity, compress
+from services.kvpolicy.compress import STAGES, Compressed, StateIdentity, compress
 from services.kvpolicy.manifest import DType, TensorContract, default_manifests
 from services.kvpolicy.packing import PackedKVView
 from services.model import ObservationVote, observation_vote
@@ -135,10 +137,15 @@ def time_stages(config: BenchConfig) -> list[StageTimes]:
             yield
             samples[stage].append((time.thread_time() - start) * 1e3)
 
+        compressed: Compressed | None = None
         for _ in range(config.repeats):
             identity = StateIdentity("bench", 1)
+            # The previous view is released first, as a prefill worker releases a view once
+            # it is sent: each repeat gathers into memory the process just gave back.
+            compressed = None
             compressed = compress(manifests[name], prefill, identity, observe=observe)
         ms = {stage: statistics.median(samples[stage]) for stage in STAGES}
+        assert compressed is not None
         view = compressed.view
         out.append(StageTimes(name, ms, view.total_rows, compressed.receipt.digest,
                               view_digest(view)))
@@ -202,7 +209,8 @@ def render(config: BenchConfig, stages: list[StageTimes], sampler_ms: float, com
         f" {shape.tokens} tokens, {config.q_heads} query heads, d_h {config.head_dim}, bf16 K/V,"
         f" W_obs {config.observation_window}, budget fraction {config.budget_fraction};"
         f" {config.threads} torch thread(s); CPU ms of the calling thread, median of"
-        f" {config.repeats}.",
+        f" {config.repeats} (each after the previous compression's view was released, as a"
+        " prefill worker releases a view once it is sent).",
         "",
         "| manifest | " + " | ".join(STAGES) + " | total | retained rows | receipt digest |",
         "|---|" + "---|" * (len(STAGES) + 3),
