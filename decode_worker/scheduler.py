@@ -651,6 +651,8 @@ class DecodeScheduler:
         self._caches[running.request.owner_to_kv_head].release(request_id)
 
     def _release(self, request: DecodeRequest, event: DecodeEvent) -> None:
+        if request.recall is not None:
+            request.recall.abandon()  # a recall started at the last step is not collected
         request.reservation.release()
         request.sink(event)
 

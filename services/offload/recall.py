@@ -328,6 +328,14 @@ class RecallSession:
         """A deferred recall is in flight (its rows are merged before the next step)."""
         return self._pending is not None
 
+    def abandon(self) -> None:
+        """The request ended (finished, failed or cancelled) with a deferred recall in flight
+        that no step will collect: its fetch is cancelled if it has not started, and its rows
+        are never merged (a running fetch ends on its own deadline and is dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.future.cancel()
+
     def due(self) -> bool:
         """Whether this step evaluates the bound (cadence, some page still omitted, no
         deferred recall in flight)."""

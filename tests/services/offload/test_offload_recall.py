@@ -3,6 +3,7 @@ dense masked-attention reference, fallbacks, cadence, page limits, successor sta
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -655,6 +656,26 @@ def test_rows_not_back_by_the_deadline_take_the_fallback_and_are_never_merged(
         assert outcome.fetching  # asked again at once
     else:
         assert not outcome.fetching and not session.pending  # a failed request asks nothing
+
+
+def test_a_deferred_fetch_left_when_the_request_ends_is_abandoned(model: CausalLM) -> None:
+    # The request ends (its last step started a fetch that no step will collect): a fetch
+    # still queued is cancelled, and nothing is ever merged into the session.
+    compressed = compress(model, ALL_AT_ONCE)
+    fetch = GatedFetcher(compressed.rows)
+    busy = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recall-test") as pool:
+        pool.submit(busy.wait, 10.0)  # the only fetch thread is taken: the fetch queues
+        session = deferred_session(compressed, fetch, executor=pool)
+        cache = view_cache(model, compressed)
+        step = decode_with_recall(model, cache, [compressed.first_token], {"req": session})
+        assert step.outcomes["req"].status is RecallStatus.FETCHING and session.pending
+        session.abandon()
+        assert not session.pending
+        busy.set()
+    assert fetch.threads == []  # cancelled before it ran
+    assert session.state == compressed.state
+    assert session.live_pages == compressed.summaries.num_pages
 
 
 def test_a_deferred_fetch_that_fails_continues_lossy_and_asks_again(model: CausalLM) -> None:
