@@ -111,8 +111,12 @@ def eval_retention(
     out: Path = typer.Option(Path("docs/results/retention"), help="Directory for retention.md, results.json and the PNGs."),
     threads: int = typer.Option(1, help="torch CPU threads."),
     max_minutes: float | None = typer.Option(None, help="Stop each run's token loop after this many minutes (the report says where)."),
+    generate_tokens: int = typer.Option(0, help="Tokens of the generation run: greedy decode on the decode worker's path (paged cache + RetentionSession), KV bytes and resident rows per step. 0 skips it."),
+    generate_method: str = typer.Option("sink-recent-local", help="Retention policy of the generation run."),
+    generate_budget: int = typer.Option(1024, help="Rows per owner of the generation run."),
 ) -> None:
     """Perplexity vs position under decode-time retention (teacher forcing), bounded rows, and cost per method."""
+    from decode_worker.retention import RetentionSession
     from services.evaluation.retention_eval import DEFAULT_SKIP_LINES, DEFAULT_TEXT, METHODS
     from services.evaluation.retention_report import RetentionEvalOptions, run
 
@@ -122,8 +126,10 @@ def eval_retention(
             skip_lines=skip_lines if skip_lines is not None else (0 if text else DEFAULT_SKIP_LINES),
             tokens=tokens, budgets=tuple(int(b) for b in budgets.split(",")),
             methods=tuple(methods.split(",")) if methods else METHODS, long_tokens=long_tokens,
-            long_budget=long_budget, dtype=dtype, threads=threads, max_minutes=max_minutes)
-        run(options)
+            long_budget=long_budget, dtype=dtype, threads=threads, max_minutes=max_minutes,
+            generate_tokens=generate_tokens, generate_method=generate_method,
+            generate_budget=generate_budget)
+        run(options, RetentionSession)
     except (ValueError, OSError) as exc:
         typer.echo(f"kvrelay eval retention: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from services.evaluation import retention_generate
 from services.evaluation.needs import require
 from services.evaluation.retention_chunked import chunked_teacher_forced
 from services.evaluation.retention_eval import (
@@ -58,12 +59,27 @@ class RetentionEvalOptions:
     bucket: int = 128
     threads: int = 1
     max_minutes: float | None = None  # each run stops reading tokens past this
+    # The generation run (`retention_generate`): tokens generated after a prompt of the text's
+    # first `generate_prompt` tokens, under `generate_method` at `generate_budget` rows; 0 skips.
+    generate_tokens: int = 0
+    generate_method: str = "sink-recent-local"
+    generate_budget: int = 1024
+    generate_prompt: int = 64
+    generate_sample_every: int = 256
 
     def __post_init__(self) -> None:
         if self.tokens < 0 or self.tokens == 1:
             raise ValueError("tokens is 0 (no sweep) or >= 2")
-        if self.long_tokens < 0 or self.bucket < 1 or not (self.tokens or self.long_tokens):
-            raise ValueError("long_tokens >= 0, bucket >= 1, and a sweep or a long run")
+        if self.long_tokens < 0 or self.bucket < 1 or not (
+                self.tokens or self.long_tokens or self.generate_tokens):
+            raise ValueError("long_tokens >= 0, bucket >= 1, and a sweep, a long or a generation run")
+        if self.generate_tokens < 0 or self.generate_budget < 1 or self.generate_prompt < 1:
+            raise ValueError("generate_tokens >= 0, generate_budget >= 1 and generate_prompt >= 1")
+        if self.generate_sample_every < 1:
+            raise ValueError("generate_sample_every >= 1")
+        if self.generate_method not in retention_generate.GENERATE_METHODS:
+            raise ValueError(f"generate_method: unknown {self.generate_method!r}; known:"
+                             f" {', '.join(retention_generate.GENERATE_METHODS)}")
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
@@ -77,11 +93,16 @@ class Run:
     seconds: float
 
 
-def run(options: RetentionEvalOptions) -> dict[str, Any]:
-    """Measure, then write results.json, retention.md and the PNGs; returns the summary."""
+def run(options: RetentionEvalOptions,
+        session: retention_generate.SessionFactory | None = None) -> dict[str, Any]:
+    """Measure, then write results.json, retention.md and the PNGs; returns the summary.
+    `session`: the decode worker's `RetentionSession` (the generation run needs it)."""
+    if options.generate_tokens and session is None:
+        raise ValueError("generate_tokens: the generation run needs the decode worker's session")
     torch.set_num_threads(options.threads)
     model = load(options.checkpoint, dtype=options.dtype)
-    needed = max(options.tokens, options.long_tokens)
+    prompt = options.generate_prompt if options.generate_tokens else 0
+    needed = max(options.tokens, options.long_tokens, prompt)
     ids = read_tokens(model, options.text, options.skip_lines, needed)
     runs: list[Run] = []
     costs: dict[str, Any] = {"baseline_ms": {}, "cells": []}
@@ -92,12 +113,34 @@ def run(options: RetentionEvalOptions) -> dict[str, Any]:
     if options.long_tokens:
         runs.append(_measure_chunked(model, "long", ids[: options.long_tokens],
                                      cells(LONG_METHODS, (options.long_budget,), options.sinks)))
+    generation = None
+    if options.generate_tokens:
+        assert session is not None
+        generation = retention_generate.measure(
+            model, options.generate_method, options.generate_budget, options.sinks,
+            ids[:prompt].tolist(), options.generate_tokens, session,
+            options.generate_sample_every, options.max_minutes)
     summary = _summary(options, model, runs, costs)
+    if generation is not None:
+        summary["generate"] = retention_generate.summary(generation)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     pngs = _plots(runs, options.bucket, options.out, model.config.max_position_embeddings)
-    (options.out / "retention.md").write_text(_markdown(summary, runs, options, pngs))
+    text = _markdown(summary, runs, options, pngs)
+    if generation is not None:
+        text += retention_generate.markdown(
+            generation, options.max_minutes, _generate_command(options),
+            retention_generate.plot(generation, options.out))
+    (options.out / "retention.md").write_text(text)
     return summary
+
+
+def _generate_command(options: RetentionEvalOptions) -> str:
+    limit = "" if options.max_minutes is None else f" --max-minutes {options.max_minutes:g}"
+    return (f"kvrelay eval retention --tokens {options.tokens} --long-tokens"
+            f" {options.long_tokens} --generate-tokens {options.generate_tokens}"
+            f" --generate-method {options.generate_method} --generate-budget"
+            f" {options.generate_budget} --dtype {options.dtype}{limit}")
 
 
 def _measure(model: LoadedModel, name: str, ids: torch.Tensor, group: list[Cell],
@@ -218,9 +261,13 @@ def _markdown(summary: dict[str, Any], runs: Sequence[Run], options: RetentionEv
         " masked to the rows that `step` (run over the positions first) keeps for it: the"
         " same numbers as the token loop (tested), at prefill speed. `full` is the model's"
         " causal prefill over the same tokens. Command:"
-        f" `kvrelay eval retention --tokens {options.tokens} --long-tokens"
-        f" {options.long_tokens}`.\n",
+        f" `kvrelay eval retention --tokens {options.tokens} --budgets"
+        f" {','.join(str(b) for b in options.budgets)} --methods {','.join(options.methods)}"
+        f" --long-tokens {options.long_tokens} --long-budget {options.long_budget}`.\n",
     ]
+    if not runs:  # the generation run alone: its own section says what it did
+        lines = [f"# Decode-time retention: bounded memory (checkpoint `{options.checkpoint.name}`,"
+                 f" trained context {trained})\n"]
     for one, data in zip(runs, summary["runs"], strict=True):
         asked = options.tokens if one.name == "sweep" else options.long_tokens
         stopped = "" if one.tokens >= asked else (
