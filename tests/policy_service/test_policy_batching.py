@@ -28,9 +28,11 @@ class CountingBatcher(Batcher):
     def __init__(self, client: Redis) -> None:
         super().__init__(client, {SHA: SCRIPT})
         self.pipelines = 0
+        self.piped: set[int] = set()  # the calls that went in a pipeline (their ARGV lists)
 
     async def _pipeline(self, commands: list[batching.Command]) -> tuple[list[Any], int]:
         self.pipelines += 1
+        self.piped.update(id(args) for _, _, args in commands)
         return await super()._pipeline(commands)
 
 
@@ -38,15 +40,20 @@ async def test_concurrent_calls_share_pipelines_and_keep_their_own_replies(redis
     async with Redis.from_url(redis_server.url, decode_responses=True) as client:
         await client.script_flush()  # the first batch meets NOSCRIPT: loaded and sent again
         batcher = CountingBatcher(client)
-        calls = [batcher.run(SHA, [f"batch:{i % 4}"], [1 if i != 7 else -1]) for i in range(64)]
+        argvs = [[1 if i != 7 else -1] for i in range(64)]
+        calls = [batcher.run(SHA, [f"batch:{i % 4}"], argvs[i]) for i in range(64)]
         replies = await asyncio.gather(*calls, return_exceptions=True)
         failed = [i for i, r in enumerate(replies) if isinstance(r, Exception)]
         assert failed == [7] and "negative" in str(replies[7])  # its neighbours are unaffected
         assert sorted(str(v) for v in await client.mget([f"batch:{k}" for k in range(4)])) == ["15", "16", "16", "16"]
         assert all(r[1] == 0 for r in replies if isinstance(r, tuple))
-        # MAX_IN_FLIGHT calls went alone (plain EVALSHA); the rest queued behind them and went
-        # together, in a few pipelines (one more for a reload after NOSCRIPT).
-        assert 1 <= batcher.pipelines <= 4, batcher.pipelines
+        # MAX_IN_FLIGHT calls went alone (plain EVALSHA, the first two); every other one queued
+        # behind them and went in a pipeline: as few as MAX_BATCH allows, each sent at most
+        # twice (again after the reload that NOSCRIPT asks for).
+        piped = [i for i, argv in enumerate(argvs) if id(argv) in batcher.piped]
+        assert piped == list(range(batching.MAX_IN_FLIGHT, 64))
+        batches = -(-(64 - batching.MAX_IN_FLIGHT) // batching.MAX_BATCH)
+        assert batches <= batcher.pipelines <= 2 * batches, batcher.pipelines
         alone = await batcher.run(SHA, ["batch:alone"], [5])
         assert alone == (5, 0)
 
