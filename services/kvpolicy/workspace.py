@@ -46,8 +46,8 @@ _INT32 = 4
 _BOOL = 1
 # The k-th largest of n fp32 keys (`snapkv.kth_largest`): the partition's scratch copy of the
 # keys (4 n), then the 0-d value it returns (4).
-_KTHVALUE_BYTES_PER_KEY = _FP32
-_KTHVALUE_RESULT_BYTES = _FP32
+_KTH_BYTES_PER_KEY = _FP32
+_KTH_RESULT_BYTES = _FP32
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Sha
     prompt fits the capacity (every owner keeps all its candidates) and for uniform,
     PyramidKV and HeadKV (exact fractions, no tensors). Ada-KV, one layer at a time: its
     position-major copy of the layer's scores (4 n, n = H_o T_c; none when H_o = 1) and the
-    k-th-value selection over it (12 n + 12, `snapkv.top_k_mask`). ZigZagKV
+    k-th-value selection over it (4 n + 4, `snapkv.top_k_mask`). ZigZagKV
     (`allocation.layer_min_budget`), with M = L H_o T_c: while sorting, the fp64 copy of the
     candidate scores, its sorted values and indices (24 M) and
     the sort's buffer of one row (8 T_c); then sorted values, their cumulative sum, the
@@ -185,7 +185,7 @@ def _allocator_workspace_bytes(manifest: KVVisibilityPolicyManifest, shape: _Sha
     if spec.method is AllocationMethod.ADAKV:
         keys = shape.owners * shape.candidates
         copy = _FP32 * keys if shape.owners > 1 else 0
-        return copy + _KTHVALUE_BYTES_PER_KEY * keys + _KTHVALUE_RESULT_BYTES
+        return copy + _KTH_BYTES_PER_KEY * keys + _KTH_RESULT_BYTES
     if spec.method is AllocationMethod.ZIGZAGKV:
         keys = shape.layers * shape.owners * shape.candidates
         sorting = (2 * _FP64 + _INT64) * keys + _INT64 * shape.candidates
@@ -203,9 +203,9 @@ def _selection_workspace_bytes(
     chosen positions of the owners that select before owner i:
 
     - the NaN check's mask, L H_o T_p bool;
-    - owner i's k-th-value selection over its T_c candidates (12 T_c + 12,
-      `snapkv.top_k_mask`; what follows it — masks, int32 tie ranks, the kept indices — is
-      smaller) beside A + E + C_i;
+    - owner i's k-th-value selection over its T_c candidates (its scratch copy, 4 T_c + 4,
+      `snapkv.top_k_mask`), or what follows it, its mask and the kept indices (T_c + 8 b_i;
+      the larger when b_i > 3 T_c / 8), beside A + E + C_i;
     - the finished grid (`PositionGrid`: 8 R int64 positions, 8 L H_o counts) beside its
       parts, A + E + 8 sum(b_i).
 
@@ -218,8 +218,9 @@ def _selection_workspace_bytes(
     for count in counts:
         budget = count - protected
         if 0 < budget < shape.candidates:
-            kth = _KTHVALUE_BYTES_PER_KEY * shape.candidates + _KTHVALUE_RESULT_BYTES
-            peak = max(peak, parts + chosen + kth)
+            kth = _KTH_BYTES_PER_KEY * shape.candidates + _KTH_RESULT_BYTES
+            kept = _BOOL * shape.candidates + _INT64 * budget  # its mask and kept indices
+            peak = max(peak, parts + chosen + max(kth, kept))
             chosen += _INT64 * budget
     grid = _INT64 * (sum(counts) + len(counts))
     return max(peak, parts + chosen + grid)

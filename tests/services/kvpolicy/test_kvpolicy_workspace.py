@@ -98,6 +98,11 @@ CASES: dict[str, Callable[[], KVVisibilityPolicyManifest]] = {
     "pyramid": lambda: base_manifests(8)["snapkv-pyramid"],
     "adakv": lambda: base_manifests(8)["snapkv-adakv"],
     "window": lambda: base_manifests(8)["window"],
+    # most candidates kept: the selection's masks and kept indices outweigh its scratch copy
+    "snapkv-90pct": lambda: default_manifests(
+        make_tensor_contract(model().config, torch.float32), budget_fraction=0.9,
+        observation_window=8, recent_window=40, sinks=2,
+    )["snapkv"],
     "full": lambda: base_manifests(8)["full"],
     # W = 1: the vote, pooling and GQA-reduction steps outweigh the input check
     "avg-pooling": lambda: snapkv_variant(1),
