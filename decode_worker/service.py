@@ -18,9 +18,11 @@ once; a background task then runs the transfer's stages, each one call:
 transfer's progress is one state machine (lifecycle.py): whatever fails releases what the
 transfer holds by the transition that ends it, and is recorded (`rejections`) when a stage
 refused it. A stream that closes early cancels the request and frees its KV at once; an
-accepted transfer whose stream never opens is released after `lease_timeout_s` (counted from
-verification). The gateway ends the request at the policy service; this worker only
-publishes recall and decode-time retention successors.
+accepted transfer whose stream has not opened is released as soon as the fence says its
+request ended or was begun again (asked every `_ENDED_CHECK_S`: a gateway whose client left
+between the prefill and the stream opens none, but it ends the request), and after
+`lease_timeout_s` (counted from verification) in any case. The gateway ends the request at the
+policy service; this worker only publishes recall and decode-time retention successors.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from decode_worker.verify import Verifier
 from decode_worker.wire import parse_handoff
 from services.kvpolicy.fit import Deployment
 from services.model import LoadedModel
-from services.policy import PolicyClient
+from services.policy import NotFound, PolicyClient, PolicyError
 from services.policy.manifests import ManifestCache
 from services.rpc.errors import ServiceError, maps_errors, reject_unknown_fields
 from services.rpc.kvrelay.v1 import decode_pb2, decode_pb2_grpc
@@ -59,6 +61,9 @@ from services.transfer.pairgroup import backend_for
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvrelay.v1.DecodeWorker"
+# How often an accepted transfer whose stream has not opened asks whether its request is
+# still live (a stream normally opens within milliseconds, so this is rarely asked at all).
+_ENDED_CHECK_S = 0.25
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
@@ -184,12 +189,45 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def _expire(self, transfer: Transfer) -> None:
         # The lease runs once the view is verified or rejected (the receive is bounded by the
         # transfer deadline), so a slow transfer is never released before anyone could stream.
+        # Until a stream opens, a transfer that still holds KV (decoding) asks the fence every
+        # `_ENDED_CHECK_S`: a gateway that gave up between the prefill and the stream (its
+        # client left) opens none, but it ends the request, and a decode verified just before
+        # that EndRequest must not run on unread. A rejected or finished one holds nothing and
+        # waits out the lease, so a late stream still reads how it ended.
         await transfer.settled()
-        await asyncio.sleep(self.config.lease_timeout_s)
-        if not transfer.stream_open:
-            log.warning("transfer %s released: no stream opened within %.1f s",
-                        transfer.accepted.handoff.key, self.config.lease_timeout_s)
-            self._close(transfer, "lease expired before a stream opened")
+        loop = asyncio.get_running_loop()
+        lease_ends = loop.time() + self.config.lease_timeout_s
+        while not transfer.stream_open:
+            left = lease_ends - loop.time()
+            if left <= 0:
+                log.warning("transfer %s released: no stream opened within %.1f s",
+                            transfer.accepted.handoff.key, self.config.lease_timeout_s)
+                self._close(transfer, "lease expired before a stream opened")
+                return
+            await asyncio.sleep(left if transfer.terminal else min(left, _ENDED_CHECK_S))
+            if transfer.stream_open or transfer.terminal:
+                continue
+            gone = await self._request_gone(transfer)
+            if gone is not None and not transfer.stream_open:
+                log.info("transfer %s released before a stream opened: %s", transfer.accepted.handoff.key, gone)
+                self._close(transfer, gone)
+                return
+
+    async def _request_gone(self, transfer: Transfer) -> str | None:
+        """Why no stream will open for `transfer` (its request ended, was begun again or is
+        unknown to the policy service); None while it is current or the fence is unreadable."""
+        accepted = transfer.accepted
+        try:
+            fence = await self.policy.get_fence(accepted.request_id, timeout_s=self.config.policy_timeout_s)
+        except NotFound:
+            return "the request is unknown to the policy service"
+        except PolicyError:
+            return None  # unreadable now: asked again, and the lease still bounds the wait
+        if fence.ended:
+            return "the request ended"
+        if fence.request_generation != accepted.request_generation:
+            return f"the request was begun again (request generation {fence.request_generation})"
+        return None
 
     def _close(self, transfer: Transfer, reason: str) -> None:
         """Forget the transfer and stop its stages (idempotent); it releases what it holds."""

@@ -10,7 +10,10 @@ retried up to `max_retries` times on other workers with a new request generation
 BeginRequest again fences the failed attempt out. After the first token the stream ends
 with UNAVAILABLE; the tokens already sent stay valid. A client cancel cancels both workers'
 calls and ends the request in the policy service, so a decode worker that has not yet
-verified the transfer rejects it and frees its reservation. A caller that needs no more tokens
+verified the transfer rejects it and frees its reservation, and one that verified it before
+that end but has no stream open (the cancel came between the prefill and the stream, whose
+call then may never reach it) frees it once its fence check sees the end, within a fraction
+of a second. A caller that needs no more tokens
 (the HTTP front, when a stop string matched) says so through `stop_requested`: the decode call
 is cancelled the same way and the stream ends with a summary whose finish reason is STOP.
 

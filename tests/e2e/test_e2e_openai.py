@@ -4,15 +4,19 @@ prefill, decode, gateway with `--http-port`: separate processes), driven with th
 gives for the same request; `kv_policy` picks the manifest per request; stop strings cut the
 output where a brute-force search of the uncut output says; every invalid parameter is a 400
 naming it (404 for an unknown model); a client that disconnects mid-stream frees the decode
-worker's KV; the request is one trace with the workers' spans; the auth hook's 401/403."""
+worker's KV, and so does a request cancelled at any point before its stream opened (a decode
+the gateway never streams is freed once the request ends); the request is one trace with the
+workers' spans; the auth hook's 401/403."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +28,16 @@ from e2e_helpers import E2E_ENV
 from services.demo import needle
 from services.gateway.errors import PermissionDenied, Unauthenticated
 from services.launcher.stack import Stack, StackConfig
+from services.model.loader import read_checkpoint
+from services.policy import PolicyClient, PolicyClientConfig
 from services.redis_embedded import free_loopback_port
-from services.rpc.kvrelay.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.rpc.kvrelay.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "telemetry"))
 from telemetry_helpers import SERVER_KIND, OtlpReceiver, sample, scrape  # noqa: E402
@@ -261,6 +273,74 @@ def test_a_client_that_disconnects_mid_stream_frees_the_decode_kv(served: Served
     assert tokens < 3000, f"the decode worker decoded {tokens} tokens: it was not stopped"
     time.sleep(1.0)  # a generator finalised elsewhere would be logged by now (next GC)
     assert log_errors(served, offsets) == {}
+
+
+async def decode_state(served: Served) -> tuple[float, float, float]:
+    """(requests active, KV bytes reserved, tokens decoded so far) on the decode worker."""
+    samples = await asyncio.to_thread(scrape, served.metrics["decode"])
+    return (sample(samples, "kvrelay_decode_requests_active"), sample(samples, "kvrelay_decode_kv_reserved_bytes"),
+            sample(samples, "kvrelay_decode_tokens_total"))
+
+
+async def poll_decode(served: Served, done: Callable[[tuple[float, float, float]], bool],
+                      timeout_s: float) -> tuple[float, float, float]:
+    """The decode worker's state once `done` holds for it, or the last one seen at `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done(state := await decode_state(served)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return state
+
+
+async def test_a_decode_whose_stream_never_opens_is_freed_once_the_request_ends(served: Served) -> None:
+    """What a gateway leaves when its client goes away after the prefill and before the decode
+    stream reaches the decode worker (a disconnect of the HTTP front, a cancelled Generate): the
+    prefill worker handed the view over, the decode worker verified it and decodes, the gateway
+    ended the request and opens no stream. Here the test is that gateway, so the window is as
+    wide as it likes. The decode worker frees the request within a short bound of its end,
+    rather than decoding all of it unread until its lease (60 s) expires."""
+    assert await poll_decode(served, lambda s: s[:2] == (0.0, 0.0), 10) is not None
+    prompt = read_checkpoint(served.stack.config.checkpoint).require_tokenizer().encode(PROMPT)
+    request_id = f"orphan-{uuid.uuid4().hex[:8]}"
+    decode_address = served.stack.decode_addresses[0]
+    async with PolicyClient(PolicyClientConfig(served.stack.policy_address, timeout_s=10.0)) as policy:
+        full = max(await policy.list_manifests("full"), key=lambda ref: ref.policy_generation)
+        _, _, tokens_before = await decode_state(served)
+        fence = await policy.begin_request(request_id)
+        message = prefill_pb2.PrefillRequest(
+            request_id=request_id, request_generation=fence.request_generation, prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=3500), manifest_sha256=full.sha256,
+            decode_worker_address=decode_address, decode_worker_id=decode_address)
+        async with grpc.aio.insecure_channel(served.stack.prefill_addresses[0]) as channel:
+            await prefill_pb2_grpc.PrefillWorkerStub(channel).Prefill(message, timeout=60)
+        decoding = await poll_decode(served, lambda s: s[0] == 1.0 and s[2] > tokens_before, 20)
+        assert decoding[0] == 1.0 and decoding[1] > 0, f"the view should be verified and decoding: {decoding}"
+        await policy.end_request(request_id, fence.request_generation)
+        ended_at = time.monotonic()
+        active, reserved, tokens = await poll_decode(served, lambda s: s[:2] == (0.0, 0.0), 10)
+    assert (active, reserved) == (0.0, 0.0), "the decode worker still holds the ended request"
+    freed_s = time.monotonic() - ended_at
+    assert freed_s < 5.0, f"freed {freed_s:.1f} s after the request ended"
+    assert tokens - tokens_before < 3000, f"the decode worker decoded {tokens - tokens_before} tokens unread"
+
+
+@pytest.mark.parametrize("cancel_after_s", [0.0, 0.05, 0.15, 0.4])
+async def test_a_generate_cancelled_at_any_point_frees_the_decode_kv(served: Served, cancel_after_s: float) -> None:
+    """A gRPC Generate the client cancels before its first token — waiting for workers, in
+    prefill, in the handoff or the first events, wherever the delay lands — leaves nothing
+    decoding or reserved on the decode worker beyond a short bound."""
+    assert await poll_decode(served, lambda s: s[:2] == (0.0, 0.0), 10) is not None
+    _, _, tokens_before = await decode_state(served)
+    request = gateway_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=3500))
+    async with grpc.aio.insecure_channel(served.stack.gateway_address) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=60)
+        reading = asyncio.ensure_future(call.read())
+        await asyncio.wait({reading}, timeout=cancel_after_s)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await reading
+    active, reserved, tokens = await poll_decode(served, lambda s: s[:2] == (0.0, 0.0), 5)
+    assert (active, reserved) == (0.0, 0.0), "the cancelled request is still decoding"
+    assert tokens - tokens_before < 3000, f"the decode worker decoded {tokens - tokens_before} tokens unread"
 
 
 def test_an_http_request_is_one_trace_with_the_workers_spans(served: Served) -> None:
