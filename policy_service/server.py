@@ -143,8 +143,9 @@ class PolicyServer:
     """A running policy service."""
 
     def __init__(self, config: PolicyServiceConfig, rpc: RpcServer, client: RedisClient,
-                 embedded: EmbeddedRedis | None, recovery: Recovery) -> None:
+                 embedded: EmbeddedRedis | None, recovery: Recovery, servicer: PolicyServicer) -> None:
         self.config = config
+        self.servicer = servicer
         self.rpc = rpc
         self.redis = client
         self.embedded = embedded
@@ -189,10 +190,12 @@ class PolicyServer:
                 await asyncio.to_thread(embedded.close)
             raise
         log.info("policy service on %s, redis %s", rpc.address, "embedded" if embedded else redact_url(url))
-        return cls(config, rpc, client, embedded, recovery)
+        return cls(config, rpc, client, embedded, recovery, servicer)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain gRPC, close Redis connections, stop the embedded redis-server (AOF flushed)."""
+        """Drain gRPC (Session streams stop taking calls first: their clients move to another
+        replica), close Redis connections, stop the embedded redis-server (AOF flushed)."""
+        self.servicer.sessions.drain()
         await self.rpc.stop(grace_s)
         await self.recovery.stop()
         await self.recovery.store.scripts.aclose()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
 from policy_service.config import PolicyServiceConfig
+from policy_service.session import Sessions
 from policy_service.store import PolicyStore
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits_any
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
@@ -72,6 +73,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     def __init__(self, store: PolicyStore, config: PolicyServiceConfig) -> None:
         self.store = store
         self.config = config
+        self.sessions = Sessions({
+            "begin_request": ("BeginRequest", self.begin_request),
+            "publish_state": ("PublishState", self.publish_state),
+            "get_fence": ("GetFence", self.get_fence),
+            "end_request": ("EndRequest", self.end_request),
+        })
         if not config.deployments:
             log.warning("no served checkpoint configured (--checkpoint): manifests are registered "
                         "without checking that the workers can run them")
@@ -115,16 +122,43 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def BeginRequest(
         self, request: policy_pb2.BeginRequestRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.BeginRequestResponse:
+        return await self.begin_request(request)
+
+    @maps_errors
+    async def PublishState(
+        self, request: policy_pb2.PublishStateRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.PublishStateResponse:
+        return await self.publish_state(request)
+
+    @maps_errors
+    async def GetFence(
+        self, request: policy_pb2.GetFenceRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.GetFenceResponse:
+        return await self.get_fence(request)
+
+    @maps_errors
+    async def EndRequest(
+        self, request: policy_pb2.EndRequestRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.EndRequestResponse:
+        return await self.end_request(request)
+
+    async def Session(
+        self, requests: AsyncIterator[policy_pb2.SessionCall], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[policy_pb2.SessionReply]:
+        async with contextlib.aclosing(self.sessions.serve(requests)) as replies:
+            async for reply in replies:
+                yield reply
+
+    # The per-request calls, unary or in a Session: typed errors propagate to the caller's edge.
+
+    async def begin_request(self, request: policy_pb2.BeginRequestRequest) -> policy_pb2.BeginRequestResponse:
         reject_unknown_fields(request)
         check_request_id(request.request_id)
         fence = await self.store.begin_request(request.request_id, self._lease(request.lease_ms), _owner())
         annotate(request_id=fence.request_id, request_generation=fence.request_generation)
         return policy_pb2.BeginRequestResponse(fence=wire.fence_to_proto(fence))
 
-    @maps_errors
-    async def PublishState(
-        self, request: policy_pb2.PublishStateRequest, context: grpc.aio.ServicerContext
-    ) -> policy_pb2.PublishStateResponse:
+    async def publish_state(self, request: policy_pb2.PublishStateRequest) -> policy_pb2.PublishStateResponse:
         reject_unknown_fields(request)
         publisher = PUBLISHERS.get(request.phase)  # before the fields: a wrong role learns nothing
         if publisher is not None:
@@ -140,19 +174,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             fence=wire.fence_to_proto(result.fence), already_published=result.already_published
         )
 
-    @maps_errors
-    async def GetFence(
-        self, request: policy_pb2.GetFenceRequest, context: grpc.aio.ServicerContext
-    ) -> policy_pb2.GetFenceResponse:
+    async def get_fence(self, request: policy_pb2.GetFenceRequest) -> policy_pb2.GetFenceResponse:
         reject_unknown_fields(request)
         check_request_id(request.request_id)
         fence = await self.store.get_fence(request.request_id)
         return policy_pb2.GetFenceResponse(fence=wire.fence_to_proto(fence))
 
-    @maps_errors
-    async def EndRequest(
-        self, request: policy_pb2.EndRequestRequest, context: grpc.aio.ServicerContext
-    ) -> policy_pb2.EndRequestResponse:
+    async def end_request(self, request: policy_pb2.EndRequestRequest) -> policy_pb2.EndRequestResponse:
         reject_unknown_fields(request)
         check_request_id(request.request_id)
         check_generation(request.request_generation, "request_generation", minimum=1)

@@ -49,6 +49,7 @@ from services.policy.errors import (
     RequestInvalid,
     StaleGeneration,
 )
+from services.policy.session import SessionFailure, Sessions
 from services.policy.types import (
     Fence,
     ManifestRef,
@@ -107,6 +108,9 @@ class PolicyClientConfig:
     backoff_max_s: float = 0.5
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     security: TransportSecurity = field(default_factory=TransportSecurity.local_plaintext)
+    # Session streams the per-request calls (begin, publish, fence, end) share
+    # (`services.policy.session`); 0: one unary call each, as before Session existed.
+    session_streams: int = 2
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -118,6 +122,8 @@ class PolicyClientConfig:
             raise ValueError(f"max_attempts: {self.max_attempts} must be >= 1")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("backoff_initial_s: must be positive and <= backoff_max_s")
+        if not 0 <= self.session_streams <= 64:
+            raise ValueError(f"session_streams: {self.session_streams} must be in [0, 64]")
 
 
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
@@ -127,9 +133,15 @@ def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Rand
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> PolicyError:
     """The typed error for a failed call (ErrorDetail from the trailing metadata)."""
-    code = error.code()
     detail = error_detail(error) or common_pb2.ErrorDetail(message=error.details() or "")
-    message, field = detail.message or (error.details() or ""), detail.field
+    if not detail.message:
+        detail.message = error.details() or ""
+    return error_from_status(error.code(), detail)
+
+
+def error_from_status(code: grpc.StatusCode, detail: common_pb2.ErrorDetail) -> PolicyError:
+    """The typed error for a call that ended with `code` and `detail` (unary or in a Session)."""
+    message, field = detail.message, detail.field
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if detail.reason == common_pb2.ERROR_REASON_MANIFEST_INVALID:
             return ManifestInvalid(message, field=field)
@@ -161,6 +173,7 @@ class PolicyClient:
         self._channel = policy_channel(config)
         self._stub = policy_pb2_grpc.PolicyServiceStub(self._channel)
         self._rng = rng or random.Random()
+        self._sessions = Sessions(self._stub, config.session_streams) if config.session_streams else None
 
     async def __aenter__(self) -> PolicyClient:
         return self
@@ -169,18 +182,20 @@ class PolicyClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._sessions is not None:
+            await self._sessions.close()
         await self._channel.close()
 
     async def check_serving(self, *, timeout_s: float | None = None) -> str | None:
         """None if the policy service reports SERVING (its Redis is reachable), else why not:
-        a readiness probe for the services that depend on it (one attempt, no retries)."""
+        a readiness probe for the services that depend on it. UNAVAILABLE is retried within
+        the deadline like any call: with several replicas the retry goes to one that is up, so
+        one replica lost does not make every dependent service NOT_SERVING."""
         request = health_pb2.HealthCheckRequest(service=POLICY_SERVICE)
         try:
-            reply = await health_pb2_grpc.HealthStub(self._channel).Check(
-                request, timeout=timeout_s or self.config.timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            return f"policy service at {self.config.target}: {exc.code().name}"
+            reply = await self._call(health_pb2_grpc.HealthStub(self._channel).Check, request, timeout_s)
+        except PolicyError as exc:
+            return f"policy service at {self.config.target}: {exc}"
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             return f"policy service at {self.config.target} reports {status}"
@@ -202,7 +217,7 @@ class PolicyClient:
 
     async def begin_request(self, request_id: str, *, lease_ms: int = 0, timeout_s: float | None = None) -> Fence:
         request = policy_pb2.BeginRequestRequest(request_id=request_id, lease_ms=lease_ms)
-        response = await self._call(self._stub.BeginRequest, request, timeout_s)
+        response = await self._call(self._stub.BeginRequest, request, timeout_s, "begin_request")
         return wire.fence_from_proto(response.fence)
 
     async def publish_state(
@@ -210,34 +225,49 @@ class PolicyClient:
     ) -> PublishResult:
         """Compare-and-publish; raises StaleGeneration carrying the current fence."""
         request = wire.publication_to_proto(publication, lease_ms)
-        response = await self._call(self._stub.PublishState, request, timeout_s)
+        response = await self._call(self._stub.PublishState, request, timeout_s, "publish_state")
         return PublishResult(fence=wire.fence_from_proto(response.fence), already_published=response.already_published)
 
     async def get_fence(self, request_id: str, *, timeout_s: float | None = None) -> Fence:
-        response = await self._call(self._stub.GetFence, policy_pb2.GetFenceRequest(request_id=request_id), timeout_s)
+        response = await self._call(self._stub.GetFence, policy_pb2.GetFenceRequest(request_id=request_id), timeout_s,
+                                     "get_fence")
         return wire.fence_from_proto(response.fence)
 
     async def end_request(self, request_id: str, request_generation: int, *, timeout_s: float | None = None) -> Fence:
         request = policy_pb2.EndRequestRequest(request_id=request_id, request_generation=request_generation)
-        response = await self._call(self._stub.EndRequest, request, timeout_s)
+        response = await self._call(self._stub.EndRequest, request, timeout_s, "end_request")
         return wire.fence_from_proto(response.fence)
 
     async def _call(
-        self, method: Callable[..., Awaitable[Response]], request: Any, timeout_s: float | None
+        self, method: Callable[..., Awaitable[Response]], request: Any, timeout_s: float | None,
+        session_call: str | None = None,
     ) -> Response:
+        """`method(request)`, or the same call in a Session (`session_call`: its SessionCall
+        field) while the service has them, retried on UNAVAILABLE within the deadline."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout_s or self.config.timeout_s)
         attempt = 0
         while True:
+            remaining = max(deadline - loop.time(), 0.001)
+            sessions = self._sessions if session_call is not None else None
             try:
-                return await method(request, timeout=max(deadline - loop.time(), 0.001))
+                if sessions is not None:
+                    reply: Response = await sessions.call(session_call, request, remaining)  # type: ignore[arg-type]
+                    return reply
+                return await method(request, timeout=remaining)
             except grpc.aio.AioRpcError as exc:
-                error = exc
+                code, error = exc.code(), error_from_rpc(exc)
+                cause: Exception = exc
+            except SessionFailure as exc:
+                if exc.stream_failed and exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                    self._sessions = None  # a service from before Session: unary calls from now on
+                    continue
+                code, error, cause = exc.code, error_from_status(exc.code, exc.detail), exc
             delay = backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
             attempt += 1
-            retryable = error.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.config.max_attempts
+            retryable = code == grpc.StatusCode.UNAVAILABLE and attempt < self.config.max_attempts
             if not retryable or loop.time() + delay >= deadline:
-                raise error_from_rpc(error) from error
+                raise error from cause
             await asyncio.sleep(delay)
 
 

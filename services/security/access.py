@@ -63,6 +63,9 @@ ACCESS: Mapping[str, Rule] = {
     "/kvrelay.v1.PolicyService/PublishState": _rule(P, D),
     "/kvrelay.v1.PolicyService/GetFence": _rule(G, P, D, OP),
     "/kvrelay.v1.PolicyService/EndRequest": _rule(G),
+    # Opens to anyone who may make one of its calls; each call is then held to its own rule
+    # (`authorize_within`).
+    "/kvrelay.v1.PolicyService/Session": _rule(G, P, D, OP),
     "/kvrelay.v1.PrefillWorker/Prefill": _rule(G),
     "/kvrelay.v1.DecodeWorker/GetTransferEndpoint": _rule(P),
     "/kvrelay.v1.DecodeWorker/AcceptTransfer": _rule(P),
@@ -128,6 +131,16 @@ def authorize(method: str, identity: Identity | None, tokens: TokenTable) -> Non
         raise Unauthenticated("no identity: present a client certificate from this deployment's "
                               "CA, or an `authorization: Bearer` token this server knows",
                               field="authorization")
+    authorize_within(method, identity)
+
+
+def authorize_within(method: str, identity: Identity | None) -> None:
+    """PermissionDenied unless `identity`, admitted to a stream, may make the call `method`
+    inside it (`ACCESS`'s rule for that method). None is the unauthenticated development
+    server, which admits everything; an authenticating server admitted nobody without one."""
+    if identity is None:
+        return
+    rule = ACCESS.get(method)
     if rule is None:
         raise PermissionDenied(f"{method} is not open to any caller", field="method")
     if not identity.holds(rule.roles):

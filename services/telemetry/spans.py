@@ -62,6 +62,24 @@ def start_server_span(name: str, headers: Mapping[str, str], /, **attributes: ob
                               attributes=_attributes(attributes))
 
 
+@contextmanager
+def rpc_span(name: str, kind: trace.SpanKind, carrier: Mapping[str, str] | None = None, /) -> Iterator[trace.Span]:
+    """The span of one RPC-like call that is not a gRPC call of its own (a call inside a policy
+    Session stream), named and shaped like opentelemetry-instrumentation-grpc's spans: `name`
+    is "/package.Service/Method"; a SERVER span continues the trace of the caller's W3C
+    `carrier`, a CLIENT span is a child of the current span. Current while the call runs; a
+    typed error leaving it is recorded."""
+    parent = propagate.extract(dict(carrier)) if carrier is not None else None
+    service, _, method = name.lstrip("/").partition("/")
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+    with _TRACER.start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as current:
+        try:
+            yield current
+        except Exception as exc:
+            record_error(current, exc)
+            raise
+
+
 def record_span(name: str, parent: context.Context | None, duration_s: float, /,
                 error: str | None = None, **attributes: object) -> None:
     """Record a span for work that another component ran and timed: it ends now and lasted

@@ -42,6 +42,8 @@ _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP
 # gRPC services whose calls are never traced: probes and tooling, not requests.
 UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                      "grpc.reflection.v1.ServerReflection")
+# Long-lived streams that carry calls of their own: each call is traced, the stream is not.
+UNTRACED_METHODS = ("/kvrelay.v1.PolicyService/Session",)
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,14 @@ def _exporter(name: str) -> Any:
 
 
 def traced_method(method: str) -> bool:
-    """False for the methods of `UNTRACED_SERVICES` ("/package.Service/Method")."""
-    return method.lstrip("/").split("/", 1)[0] not in UNTRACED_SERVICES
+    """False for the methods of `UNTRACED_SERVICES` and for `UNTRACED_METHODS`
+    ("/package.Service/Method")."""
+    return method.lstrip("/").split("/", 1)[0] not in UNTRACED_SERVICES and method not in UNTRACED_METHODS
+
+
+def tracing_enabled() -> bool:
+    """Whether this process exports traces (`configure_tracing` found an exporter)."""
+    return _active is not None
 
 
 def _traced(handler_call_details: Any) -> bool:

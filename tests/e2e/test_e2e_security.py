@@ -13,6 +13,7 @@ and one real generation through every hop follow.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -49,6 +50,7 @@ METHODS: tuple[tuple[str, str, str], ...] = (
     ("policy", "/kvrelay.v1.PolicyService/PublishState", "unary"),
     ("policy", "/kvrelay.v1.PolicyService/GetFence", "unary"),
     ("policy", "/kvrelay.v1.PolicyService/EndRequest", "unary"),
+    ("policy", "/kvrelay.v1.PolicyService/Session", "bidi"),
     ("prefill", "/kvrelay.v1.PrefillWorker/Prefill", "unary"),
     ("prefill", "/kvrelay.v1.OffloadService/Recall", "unary"),
     ("prefill", "/kvrelay.v1.OffloadService/RenewLease", "unary"),
@@ -73,6 +75,7 @@ MAY_CALL = {
     "PublishState": {"prefill", "decode"},
     "GetFence": {"gateway", "prefill", "decode", "operator"},
     "EndRequest": {"gateway"},
+    "Session": {"gateway", "prefill", "decode", "operator"},  # its calls: their own rules (below)
     "Prefill": {"gateway"},
     "Recall": {"decode"},
     "RenewLease": {"decode"},
@@ -147,6 +150,9 @@ def outcome(secured: Secured, service: str, method: str, kind: str, caller: str)
         try:
             if kind == "unary":
                 channel.unary_unary(method)(b"", timeout=CALL_S)
+            elif kind == "bidi":  # opened and half-closed at once: admitted or refused
+                for _ in channel.stream_stream(method)(iter(()), timeout=CALL_S):
+                    break
             else:
                 for _ in channel.unary_stream(method)(b"", timeout=CALL_S):
                     break
@@ -207,6 +213,35 @@ def _policy_call(secured: Secured, caller: str, method: str, request: bytes) -> 
         except grpc.RpcError as error:
             return error.code()
     return grpc.StatusCode.OK
+
+
+def test_each_call_in_a_session_is_held_to_its_own_methods_rule(secured: Secured) -> None:
+    """A Session admits every internal role; inside it a call of a method the caller may not
+    make is PERMISSION_DENIED in its own reply, and the stream serves the caller's next call."""
+    from services.policy import PolicyClient, PolicyClientConfig
+    from services.policy.errors import PolicyPermissionDenied
+
+    async def calls(caller: str) -> dict[str, str]:
+        config = PolicyClientConfig(secured.address("policy"), timeout_s=CALL_S, session_streams=1,
+                                    security=secured.security(caller))
+        outcomes: dict[str, str] = {}
+        async with PolicyClient(config) as client:
+            for name, call in (("BeginRequest", client.begin_request(f"session-{caller}")),
+                               ("GetFence", client.get_fence(f"session-{caller}")),
+                               ("EndRequest", client.end_request(f"session-{caller}", 1))):
+                try:
+                    await call
+                    outcomes[name] = ALLOWED
+                except PolicyPermissionDenied:
+                    outcomes[name] = DENIED
+                except Exception:  # noqa: BLE001 (the handler ran and refused the call itself)
+                    outcomes[name] = ALLOWED
+            assert client._sessions is not None  # all of it over the stream, none fell back
+        return outcomes
+
+    for caller in ("gateway", "decode", "operator"):
+        got = asyncio.run(calls(caller))
+        assert got == {name: ALLOWED if caller in MAY_CALL[name] else DENIED for name in got}, caller
 
 
 def test_request_ids_belong_to_the_identity_that_began_them(secured: Secured) -> None:

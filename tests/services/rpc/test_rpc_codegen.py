@@ -63,7 +63,8 @@ def test_every_service_of_the_schema_is_generated() -> None:
     assert services == {"Gateway", "PolicyService", "PrefillWorker", "DecodeWorker", "OffloadService"}
     policy_methods = {m.name for m in policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].methods}
     assert policy_methods == {
-        "RegisterManifest", "GetManifest", "ListManifests", "BeginRequest", "PublishState", "GetFence", "EndRequest"
+        "RegisterManifest", "GetManifest", "ListManifests", "BeginRequest", "PublishState", "GetFence", "EndRequest",
+        "Session",
     }
     generate = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].methods_by_name["Generate"]
     assert generate.server_streaming and not generate.client_streaming

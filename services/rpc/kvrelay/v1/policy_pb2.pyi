@@ -118,3 +118,52 @@ class EndRequestResponse(_message.Message):
     FENCE_FIELD_NUMBER: _ClassVar[int]
     fence: _common_pb2.Fence
     def __init__(self, fence: _Optional[_Union[_common_pb2.Fence, _Mapping]] = ...) -> None: ...
+
+class SessionCall(_message.Message):
+    __slots__ = ("call_id", "timeout_ms", "trace_context", "begin_request", "publish_state", "get_fence", "end_request")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_STATE_FIELD_NUMBER: _ClassVar[int]
+    GET_FENCE_FIELD_NUMBER: _ClassVar[int]
+    END_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    timeout_ms: int
+    trace_context: _containers.ScalarMap[str, str]
+    begin_request: BeginRequestRequest
+    publish_state: PublishStateRequest
+    get_fence: GetFenceRequest
+    end_request: EndRequestRequest
+    def __init__(self, call_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., begin_request: _Optional[_Union[BeginRequestRequest, _Mapping]] = ..., publish_state: _Optional[_Union[PublishStateRequest, _Mapping]] = ..., get_fence: _Optional[_Union[GetFenceRequest, _Mapping]] = ..., end_request: _Optional[_Union[EndRequestRequest, _Mapping]] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("call_id", "error", "begin_request", "publish_state", "get_fence", "end_request")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_STATE_FIELD_NUMBER: _ClassVar[int]
+    GET_FENCE_FIELD_NUMBER: _ClassVar[int]
+    END_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    error: SessionError
+    begin_request: BeginRequestResponse
+    publish_state: PublishStateResponse
+    get_fence: GetFenceResponse
+    end_request: EndRequestResponse
+    def __init__(self, call_id: _Optional[int] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., begin_request: _Optional[_Union[BeginRequestResponse, _Mapping]] = ..., publish_state: _Optional[_Union[PublishStateResponse, _Mapping]] = ..., get_fence: _Optional[_Union[GetFenceResponse, _Mapping]] = ..., end_request: _Optional[_Union[EndRequestResponse, _Mapping]] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "detail")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    detail: _common_pb2.ErrorDetail
+    def __init__(self, code: _Optional[int] = ..., detail: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ...) -> None: ...

@@ -69,6 +69,11 @@ class PolicyServiceStub:
                 request_serializer=kvrelay_dot_v1_dot_policy__pb2.EndRequestRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_policy__pb2.EndRequestResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvrelay.v1.PolicyService/Session',
+                request_serializer=kvrelay_dot_v1_dot_policy__pb2.SessionCall.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_policy__pb2.SessionReply.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -124,6 +129,18 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """The four per-request calls above, many at once over one long-lived stream: each
+        SessionCall is answered by one SessionReply with its call_id, in any order. A message
+        round trip costs a fraction of a unary call (no call setup, no metadata, no new HTTP/2
+        stream). Each call keeps its own deadline, authorization, status and trace; the stream
+        ends OK when the client half-closes or the service drains (calls it did not read yet are
+        unanswered: the client sends them again elsewhere).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +178,11 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.EndRequest,
                     request_deserializer=kvrelay_dot_v1_dot_policy__pb2.EndRequestRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_policy__pb2.EndRequestResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvrelay_dot_v1_dot_policy__pb2.SessionCall.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_policy__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +374,33 @@ class PolicyService:
             '/kvrelay.v1.PolicyService/EndRequest',
             kvrelay_dot_v1_dot_policy__pb2.EndRequestRequest.SerializeToString,
             kvrelay_dot_v1_dot_policy__pb2.EndRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvrelay.v1.PolicyService/Session',
+            kvrelay_dot_v1_dot_policy__pb2.SessionCall.SerializeToString,
+            kvrelay_dot_v1_dot_policy__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,
