@@ -60,11 +60,12 @@ def up(
     dtype: str | None = typer.Option(None, envvar="KVRELAY_DTYPE", help="Workers' dtype (default: the checkpoint's)."),
     prefill: int = typer.Option(1, help="Prefill workers (ports 50062, 50072, ...)."),
     decode: int = typer.Option(1, help="Decode workers (ports 50063/50064, 50073/50074, ...)."),
+    policy_replicas: int = typer.Option(1, min=1, help="Policy-service processes (ports 50061, 50071, ...); 2 or more share one redis-server the launcher runs (or REDIS_URL), round robin from the gateway and workers."),
     threads: int = typer.Option(1, help="torch threads per service."),
     redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="Use this Redis instead of an embedded one."),
     log_dir: Path | None = typer.Option(None, help="Service logs (default: a new temporary directory)."),
-    base_port: int = typer.Option(50051, help="Gateway port; policy +10, prefill +11, decode +12 (rendezvous +13), extra workers +10 each."),
-    metrics_base_port: int = typer.Option(9091, help="Gateway /metrics port; policy +1, prefill +2, decode +3, extra workers +10 each (0: metrics off)."),
+    base_port: int = typer.Option(50051, help="Gateway port; policy +10, prefill +11, decode +12 (rendezvous +13), extra workers and policy replicas +10 each."),
+    metrics_base_port: int = typer.Option(9091, help="Gateway /metrics port; policy +1, prefill +2, decode +3, extra workers and policy replicas +10 each (0: metrics off)."),
     http_port: int | None = typer.Option(None, help="The gateway's OpenAI-compatible HTTP API (default: base port + 1; 0: off)."),
     tls: bool = typer.Option(False, "--tls", help="Mutual TLS between every service, with a development CA and certificates (`kvrelay certs`) in --tls-dir."),
     tls_dir: Path | None = typer.Option(None, help="With --tls: certificates from `kvrelay certs` (made here if there is no ca.pem; default: a new temporary directory)."),
@@ -80,7 +81,8 @@ def up(
         raise typer.Exit(2)
     certs = (tls_dir or Path(tempfile.mkdtemp(prefix="kvrelay-certs-"))) if tls else None
     config = StackConfig.with_counts(
-        served_checkpoint(checkpoint), prefill=prefill, decode=decode, base_port=base_port, dtype=dtype,
+        served_checkpoint(checkpoint), prefill=prefill, decode=decode, policy_replicas=policy_replicas,
+        base_port=base_port, dtype=dtype,
         threads=threads, redis_url=redis_url, log_dir=log_dir, metrics_base_port=metrics_base_port,
         **({} if http_port is None else {"http_port": http_port}),
         tls_dir=certs,

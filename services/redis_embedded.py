@@ -72,6 +72,9 @@ class EmbeddedRedisConfig:
     stop_timeout_s: float = 10.0
     # More redis.conf lines (e.g. cluster mode, services.redis_cluster), after the defaults.
     extra_config: tuple[str, ...] = ()
+    # A session (process group) of its own: a terminal's Ctrl-C, sent to the owner's group,
+    # does not reach it, so an owner that stops its clients first (`kvrelay up`) stops it last.
+    own_session: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -97,11 +100,12 @@ def _terminate_at_exit(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=5)
 
 
-def _spawn_dying_with_owner(argv: list[str]) -> subprocess.Popen[bytes]:
+def _spawn_dying_with_owner(argv: list[str], own_session: bool = False) -> subprocess.Popen[bytes]:
     """Start `argv`; on Linux it gets SIGTERM when this process dies (see the module doc)."""
     if sys.platform == "linux":
         argv = [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=own_session)
 
 
 def find_redis_server(explicit: str | None = None) -> str:
@@ -230,7 +234,8 @@ class EmbeddedRedis:
         with os.fdopen(fd, "w") as handle:
             handle.write(self._config_text())
         (self._workdir / "redis.log").unlink(missing_ok=True)
-        self._process = _SPAWNER.submit(_spawn_dying_with_owner, [self._executable, str(conf)]).result()
+        argv = [self._executable, str(conf)]
+        self._process = _SPAWNER.submit(_spawn_dying_with_owner, argv, self.config.own_session).result()
         # An owner that exits without stop() (a failed test) must not leave an orphaned
         # redis-server behind; one killed outright is covered by the parent-death signal.
         atexit.register(_terminate_at_exit, self._process)

@@ -2,6 +2,20 @@
 
     policy service (+ embedded Redis) -> prefill worker(s) + decode worker(s) + gateway
 
+or, with several policy replicas (`policy_replica_ports`, `kvrelay up --policy-replicas N`):
+
+    redis-server -> policy replicas (stateless, all on it) -> workers + gateway
+
+The replicas' addresses reach the gateway and the workers as one comma-separated list, which
+their policy clients balance round robin (a call that finds one replica gone is retried on
+another). The launcher then runs the redis-server itself (services.redis_embedded, in-memory
+unless `KVRELAY_REDIS_DATA_DIR` asks for AOF, as the single policy service's embedded one), so
+that a replica's death does not take Redis with it; the supervisor restarts it like a
+service. Each replica journals the manifests it has seen stored (its own registrations and,
+within a recovery pass, every other replica's) in a file of its own, so a Redis that comes
+back empty gets them back from whichever replica notices first, and no two processes append
+to one file.
+
 Each service runs as `kvrelay serve <role>` (through `services.launcher.child`) in its own
 session, so a Ctrl-C in the terminal reaches only the launcher, which stops the services in
 order; its output goes to a log file. The launcher waits until every service's gRPC health
@@ -17,6 +31,7 @@ supervisor calls for a service that died: services.launcher.supervise).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import subprocess
@@ -28,12 +43,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.model.default import DEMO_CHECKPOINT
 from services.model.errors import ModelError
 from services.model.loader import read_checkpoint
-from services.redis_embedded import free_loopback_port
+from services.redis_embedded import (
+    EmbeddedRedis,
+    EmbeddedRedisConfig,
+    EmbeddedRedisError,
+    free_loopback_port,
+)
 from services.security.certs import default_bundle
 from services.security.roles import Role
 from services.security.transport import TransportSecurity
@@ -62,6 +83,9 @@ class StackConfig:
     host: str = "127.0.0.1"
     gateway_port: int = 50051
     policy_port: int = 50061
+    # Replicas 1.. of the policy service (replica 0 on `policy_port`); empty: one service with
+    # its own embedded Redis, as before.
+    policy_replica_ports: tuple[int, ...] = ()
     prefill_ports: tuple[int, ...] = (50062,)
     decode_ports: tuple[WorkerPorts, ...] = (WorkerPorts(50063, 50064),)
     redis_url: str | None = None
@@ -75,9 +99,10 @@ class StackConfig:
     # Extra `--flag value` pairs per role ("gateway", "prefill", "decode", "policy").
     extra_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    # Each service's Prometheus `--metrics-port` from this base: gateway +0, policy +1, the i-th
-    # prefill worker +2 + 10 i, the i-th decode worker +3 + 10 i (9091 gives the documented
-    # 9091-9094). 0 turns metrics off; None leaves each service its own default.
+    # Each service's Prometheus `--metrics-port` from this base: gateway +0, the i-th policy
+    # replica +1 + 10 i, the i-th prefill worker +2 + 10 i, the i-th decode worker +3 + 10 i
+    # (9091 gives the documented 9091-9094). 0 turns metrics off; None leaves each service its
+    # own default.
     metrics_base_port: int | None = None
     # A `kvrelay certs` directory: every service runs with mutual TLS, each with its role's
     # certificate. None: plaintext on loopback, asked for explicitly (`--plaintext`).
@@ -88,7 +113,7 @@ class StackConfig:
     def __post_init__(self) -> None:
         if not self.prefill_ports or not self.decode_ports:
             raise ValueError("prefill_ports/decode_ports: a stack needs at least one of each worker")
-        ports = [self.gateway_port, self.policy_port, *self.prefill_ports,
+        ports = [self.gateway_port, *self.policy_ports, *self.prefill_ports,
                  *(p for w in self.decode_ports for p in (w.grpc, w.rendezvous)),
                  *([self.http_port] if self.http_port else [])]
         if any(not 0 < p < 65536 for p in ports):
@@ -97,41 +122,61 @@ class StackConfig:
             raise ValueError(f"ports: must be distinct, got {ports}")
         if self.threads < 1 or self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("threads/start_timeout_s/stop_timeout_s: must be positive")
+        if self.policy_replica_ports and not _is_ip_literal(self.host):
+            raise ValueError(f"policy_replica_ports: several replicas need an IP address as host, got {self.host!r}")
         if self.metrics_base_port:
-            metrics = [self.metrics_port(role, i) for role, count in (("gateway", 1), ("policy", 1),
+            metrics = [self.metrics_port(role, i) for role, count in (("gateway", 1), ("policy", len(self.policy_ports)),
                        ("prefill", len(self.prefill_ports)), ("decode", len(self.decode_ports))) for i in range(count)]
             if max(m or 0 for m in metrics) > 65535 or set(metrics) & set(ports):
                 raise ValueError(f"metrics_base_port: {self.metrics_base_port} gives ports out of range or in use")
 
     @classmethod
-    def with_free_ports(cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, **overrides: object) -> StackConfig:
+    def with_free_ports(
+        cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, policy_replicas: int = 1, **overrides: object
+    ) -> StackConfig:
         """A config on free loopback ports (tests, demos, benchmarks next to a running stack)."""
-        ports = _free_ports(2 + prefill + 2 * decode)
+        _check_replicas(policy_replicas)
+        ports = _free_ports(2 + prefill + 2 * decode + policy_replicas - 1)
         return cls(
             checkpoint=checkpoint,
             gateway_port=ports[0],
             policy_port=ports[1],
             prefill_ports=tuple(ports[2 : 2 + prefill]),
             decode_ports=tuple(WorkerPorts(ports[2 + prefill + 2 * i], ports[3 + prefill + 2 * i]) for i in range(decode)),
+            policy_replica_ports=tuple(ports[2 + prefill + 2 * decode :]),
             **overrides,  # type: ignore[arg-type]
         )
 
     @classmethod
     def with_counts(
-        cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, base_port: int = 50051, **overrides: object
+        cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, base_port: int = 50051, policy_replicas: int = 1,
+        **overrides: object,
     ) -> StackConfig:
         """Ports from `base_port` (the gateway's): its HTTP API +1, policy +10, prefill +11, decode
-        +12 and its rendezvous +13, the i-th extra worker of a role 10 * i higher. The default base
-        gives the documented ports 50051 (50052 HTTP), 50061, 50062, 50063/50064."""
+        +12 and its rendezvous +13, the i-th extra worker or policy replica of a role 10 * i
+        higher. The default base gives the documented ports 50051 (50052 HTTP), 50061, 50062,
+        50063/50064 (and 50071, 50081, ... for policy replicas 1, 2, ...)."""
+        _check_replicas(policy_replicas)
         overrides.setdefault("http_port", base_port + 1)
         return cls(
             checkpoint=checkpoint,
             gateway_port=base_port,
             policy_port=base_port + 10,
+            policy_replica_ports=tuple(base_port + 10 + 10 * i for i in range(1, policy_replicas)),
             prefill_ports=tuple(base_port + 11 + 10 * i for i in range(prefill)),
             decode_ports=tuple(WorkerPorts(base_port + 12 + 10 * i, base_port + 13 + 10 * i) for i in range(decode)),
             **overrides,  # type: ignore[arg-type]
         )
+
+    @property
+    def policy_ports(self) -> tuple[int, ...]:
+        """Every policy replica's port, replica 0's (`policy_port`) first."""
+        return (self.policy_port, *self.policy_replica_ports)
+
+    @property
+    def replicated_policy(self) -> bool:
+        """Several policy replicas on one Redis the launcher runs (unless `redis_url`)."""
+        return bool(self.policy_replica_ports)
 
     def address(self, port: int) -> str:
         return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
@@ -169,6 +214,19 @@ def _check_gguf(path: Path) -> None:
         raise StackError(f"checkpoint {path} cannot be served: {error}") from error
 
 
+def _check_replicas(policy_replicas: int) -> None:
+    if policy_replicas < 1:
+        raise ValueError(f"policy_replicas: {policy_replicas} must be >= 1")
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _free_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
@@ -190,6 +248,9 @@ class ServiceProcess:
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     # How the launcher reaches it for health checks (an operator certificate on a TLS stack).
     security: TransportSecurity = field(default_factory=TransportSecurity.local_plaintext, repr=False)
+    # Environment of this service alone, over the stack's (a secret such as REDIS_URL, which
+    # stays off the command line and so out of the process list).
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -202,8 +263,8 @@ class ServiceProcess:
     def spawn(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True,
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**env, **dict(self.env)}, start_new_session=True,
             )
 
     def check_healthy(self, timeout_s: float = 0.2) -> bool:
@@ -264,6 +325,65 @@ class ServiceProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+class RedisProcess(ServiceProcess):
+    """The redis-server the policy replicas share (services.redis_embedded), seen as a service:
+    healthy while it answers PING, stopped last, restarted by the supervisor on the same port
+    with the same password (so the replicas' REDIS_URL stays right)."""
+
+    def __init__(self, redis: EmbeddedRedis, log_path: Path) -> None:
+        super().__init__("redis", "redis", "", (), log_path)
+        self.redis = redis
+
+    @property
+    def pid(self) -> int | None:
+        return self.redis.pid
+
+    @property
+    def running(self) -> bool:
+        return self.redis.running
+
+    @property
+    def url(self) -> str:
+        """redis:// with the password: for the replicas' environment only."""
+        return self.redis.url
+
+    def spawn(self, env: dict[str, str]) -> None:
+        """Start redis-server and wait for PING; a failure is logged and leaves it not running
+        (the supervisor retries, then gives up), as a service that exits at once does."""
+        try:
+            self.redis.start()
+        except EmbeddedRedisError as error:
+            with open(self.log_path, "a") as log:
+                log.write(f"kvrelay: {error}\n")
+            return
+        self.address = f"127.0.0.1:{self.redis.port}"
+
+    def check_healthy(self, timeout_s: float = 0.2) -> bool:
+        client = redis.Redis.from_url(self.redis.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def wait_healthy(self, deadline: float) -> None:
+        # `spawn` returns once the server answers PING (within the redis start timeout).
+        if not self.running:
+            raise StackError(f"{self.name} did not start:\n{self.log_tail()}")
+
+    def terminate(self) -> None:
+        """Nothing to do ahead: `wait_stopped` shuts it down (SIGTERM, then SIGKILL)."""
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """Shut it down (the AOF, if any, flushed) and remove its private config: only the
+        stack's `stop` calls this, last."""
+        self.redis.close()
+
+    def kill(self) -> None:
+        self.redis.kill()
+
+
 def _tier(role: str) -> str:
     return "workers" if role in ("prefill", "decode") else role
 
@@ -281,6 +401,8 @@ class Stack:
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvrelay-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services: list[ServiceProcess] = []
+        # The redis-server of a replicated policy service without `redis_url` (from `start`).
+        self.redis: RedisProcess | None = None
 
     @property
     def gateway_address(self) -> str:
@@ -293,7 +415,17 @@ class Stack:
 
     @property
     def policy_address(self) -> str:
-        return self.config.address(self.config.policy_port)
+        """The gateway's and the workers' `--policy-address`: one address, or every replica's
+        comma-separated (their policy clients balance it round robin)."""
+        return ",".join(self.policy_addresses)
+
+    @property
+    def policy_addresses(self) -> list[str]:
+        return [self.config.address(port) for port in self.config.policy_ports]
+
+    def policy_name(self, index: int) -> str:
+        """`policy` for a single policy service, `policy-<index>` for each replica."""
+        return f"policy-{index}" if self.config.replicated_policy else "policy"
 
     @property
     def prefill_addresses(self) -> list[str]:
@@ -318,11 +450,15 @@ class Stack:
         check_checkpoint(self.config.checkpoint)
         # A new stack starts from a new Redis: manifests of an earlier run (maybe another
         # checkpoint) must not come back; restarts within this run read the journal.
-        self.manifest_journal.unlink(missing_ok=True)
+        for index in range(len(self.config.policy_ports)):
+            self.manifest_journal_of(index).unlink(missing_ok=True)
         self._ensure_certificates()
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
-            self._launch([self._policy()], deadline, on_ready)
+            if self.config.replicated_policy and not self.config.redis_url:
+                self.redis = self._redis()
+                self._launch([self.redis], deadline, on_ready)
+            self._launch([self._policy(i) for i in range(len(self.config.policy_ports))], deadline, on_ready)
             # The gateway finds workers through health checks, so it starts with them.
             workers = [self._prefill(i, port) for i, port in enumerate(self.config.prefill_ports)]
             workers += [self._decode(i, ports) for i, ports in enumerate(self.config.decode_ports)]
@@ -339,8 +475,9 @@ class Stack:
 
     def stop(self) -> None:
         """Stop the gateway (it drains its requests while the workers still run), then the
-        workers together, then the policy service; everything is gone when this returns."""
-        for role in ("gateway", "workers", "policy"):
+        workers together, then the policy service (every replica), then the redis-server the
+        replicas share; everything is gone when this returns."""
+        for role in ("gateway", "workers", "policy", "redis"):
             tier = [s for s in self.services if _tier(s.role) == role]
             for service in tier:
                 service.terminate()
@@ -436,13 +573,38 @@ class Stack:
     @property
     def manifest_journal(self) -> Path:
         """Where the policy service keeps the manifests it stored (read back on a restart)."""
-        return self.log_dir / "policy-manifests.jsonl"
+        return self.manifest_journal_of(0)
 
-    def _policy(self) -> ServiceProcess:
+    def manifest_journal_of(self, index: int) -> Path:
+        """Policy replica `index`'s journal: one file per process, so no two append to one."""
+        return self.log_dir / f"{self.policy_name(index)}-manifests.jsonl"
+
+    def _policy(self, index: int = 0) -> ServiceProcess:
+        port = self.config.policy_ports[index]
         # The checkpoint too: the policy service refuses manifests the workers cannot run.
-        args = [*self._model_args(), "--host", self.config.host, "--port", str(self.config.policy_port),
-                "--manifest-journal", str(self.manifest_journal)]
-        return self._service("policy", "policy", self.config.policy_port, args)
+        args = [*self._model_args(), "--host", self.config.host, "--port", str(port),
+                "--manifest-journal", str(self.manifest_journal_of(index))]
+        service = self._service(self.policy_name(index), "policy", port, args, index)
+        if self.redis is not None:
+            # Not `--redis-url` on the command line: the URL holds the password.
+            service.env = (("REDIS_URL", self.redis.url),)
+        return service
+
+    def _redis(self) -> RedisProcess:
+        """The replicas' redis-server, with the persistence a single policy service's embedded
+        one would get from the same environment (`KVRELAY_REDIS_DATA_DIR`: AOF there)."""
+        env = self._env()
+        data_dir = env.get("KVRELAY_REDIS_DATA_DIR")
+        log_path = self.log_dir / "redis.log"
+        config = EmbeddedRedisConfig(
+            data_dir=Path(data_dir) if data_dir else None,
+            appendfsync=env.get("KVRELAY_REDIS_APPENDFSYNC", "everysec"),
+            stop_timeout_s=self.config.stop_timeout_s,
+            # Its log beside the services' (a later `logfile` line wins over the default).
+            extra_config=(f'logfile "{log_path}"',),
+            own_session=True,  # Ctrl-C reaches only the launcher, which stops Redis last
+        )
+        return RedisProcess(EmbeddedRedis(config), log_path)
 
     def _prefill(self, index: int, port: int) -> ServiceProcess:
         return self._prefill_service(f"prefill-{index}", port, index)

@@ -5,9 +5,10 @@ What an operator expects from a local supervisor (systemd's `Restart=on-failure`
 dead service is restarted with the same flags and ports after a backoff that doubles
 (`initial_s`, 2x, ... up to `max_s`), and one that keeps dying — `max_restarts` within
 `window_s` — is given up and left down, logged. The stack itself is only stopped when it can
-no longer serve: the policy service or the gateway given up, or every worker of a role.
-Peers find a restarted service by its unchanged address (the gateway's health checks, the
-policy client's reconnects).
+no longer serve: the gateway or the replicas' redis-server given up, or every policy replica
+or every worker of a role. Peers find a restarted service by its unchanged address (the
+gateway's health checks, the policy client's reconnects; the replicas reconnect to a restarted
+redis-server and write back what it lost).
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ class Supervisor:
     def broken(self) -> list[str]:
         """Why the stack can no longer serve (given-up services it cannot do without)."""
         down = {s.name for s in self.stack.services if self._watches.get(s.name, _Watch()).given_up}
-        reasons = [f"{s.name} is down" for s in self.stack.services if s.role in ("policy", "gateway") and s.name in down]
-        for role in ("prefill", "decode"):
-            workers = [s.name for s in self.stack.services if s.role == role]
-            if workers and set(workers) <= down:
-                reasons.append(f"every {role} worker is down")
+        reasons = [f"{s.name} is down" for s in self.stack.services if s.role in ("gateway", "redis") and s.name in down]
+        for role, kind in (("policy", "replica"), ("prefill", "worker"), ("decode", "worker")):
+            names = [s.name for s in self.stack.services if s.role == role]
+            if names and set(names) <= down:
+                single = role == "policy" and len(names) == 1
+                reasons.append(f"{names[0]} is down" if single else f"every {role} {kind} is down")
         return reasons
 
     def _step(self, service: ServiceProcess, watch: _Watch, now: float) -> list[Event]:
