@@ -191,3 +191,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def test_the_policy_service_and_its_client_load_without_torch() -> None:
+    """The control plane has no tensors: the policy service process and the policy client the
+    gateway and workers import start in a fraction of a second and without torch's memory."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import policy_service.server, policy_service.bench, services.policy, "
+             "services.policy.session; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout

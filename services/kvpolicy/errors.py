@@ -39,3 +39,18 @@ class SelectionError(KVPolicyError):
 
 class ReceiptMismatch(KVPolicyError):
     """A receipt does not match its digest, its manifest, its state or the view it describes."""
+
+
+# Where a HeadKV manifest names its importance profile.
+PROFILE_FIELD = "selection.allocation.headkv_profile_sha256"
+
+
+class HeadProfileUnavailable(KVPolicyError):
+    """A HeadKV manifest names an importance profile (`selection.allocation.headkv_profile_sha256`)
+    that the served checkpoint does not carry: no profile beside it, or one with other values.
+    The edge maps it to FAILED_PRECONDITION, not INVALID_ARGUMENT: the manifest and the request
+    are valid and stay valid; what is missing is the worker's state (the deployed profile), and
+    the same request succeeds on a worker that serves the matching profile."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(PROFILE_FIELD, message)

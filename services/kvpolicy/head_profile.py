@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.kvpolicy.allocation import profile_sha256
-from services.kvpolicy.errors import KVPolicyError
+from services.kvpolicy.errors import HeadProfileUnavailable
 from services.kvpolicy.manifest import AllocationMethod, KVVisibilityPolicyManifest
 
 PROFILE_FILE = "headkv_profile.safetensors"
@@ -40,22 +40,10 @@ METADATA_KEY = "kvrelay.headkv_profile"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-PROFILE_FIELD = "selection.allocation.headkv_profile_sha256"
 
 
 class ProfileFileInvalid(ValueError):
     """A profile file exists but cannot be used; the message names the file and what is wrong."""
-
-
-class HeadProfileUnavailable(KVPolicyError):
-    """A HeadKV manifest names an importance profile (`selection.allocation.headkv_profile_sha256`)
-    that the served checkpoint does not carry: no profile beside it, or one with other values.
-    The edge maps it to FAILED_PRECONDITION, not INVALID_ARGUMENT: the manifest and the request
-    are valid and stay valid; what is missing is the worker's state (the deployed profile), and
-    the same request succeeds on a worker that serves the matching profile."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(PROFILE_FIELD, message)
 
 
 @dataclass(frozen=True)

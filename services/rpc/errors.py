@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -40,9 +41,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from services.echo import echo
-from services.kvpolicy.errors import KVPolicyError, ManifestInvalid
-from services.kvpolicy.head_profile import HeadProfileUnavailable
-from services.model.errors import NonFiniteLogits
+from services.kvpolicy.errors import HeadProfileUnavailable, KVPolicyError, ManifestInvalid
 from services.rpc.kvrelay.v1 import common_pb2
 
 ERROR_DETAIL_KEY = "kvrelay-error-bin"
@@ -140,7 +139,7 @@ def status_for(exc: BaseException) -> RpcStatus | None:
     """The status code and detail for a known error type; None lets grpc report UNKNOWN."""
     if isinstance(exc, ServiceError):
         return RpcStatus(exc.code, exc.detail())
-    if isinstance(exc, NonFiniteLogits):  # this request's own computation; nobody else's
+    if _is_non_finite_logits(exc):  # this request's own computation; nobody else's
         detail = common_pb2.ErrorDetail(field="logits", message=str(exc))
         return RpcStatus(grpc.StatusCode.INTERNAL, detail)
     if isinstance(exc, HeadProfileUnavailable):  # valid request; this worker lacks the profile
@@ -161,6 +160,15 @@ def status_for(exc: BaseException) -> RpcStatus | None:
         )
         return RpcStatus(grpc.StatusCode.UNAVAILABLE, detail)
     return None
+
+
+def _is_non_finite_logits(exc: BaseException) -> bool:
+    """Whether `exc` is the model runtime's NonFiniteLogits. Looked up where it was loaded, not
+    imported here: importing services.model loads torch, which the policy service and the
+    policy client never need (2 s of start-up and hundreds of MB); no instance can exist
+    before its module is loaded."""
+    errors = sys.modules.get("services.model.errors")
+    return errors is not None and isinstance(exc, errors.NonFiniteLogits)
 
 
 def error_detail(error: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail | None:
