@@ -14,9 +14,10 @@ service then uses `redis+cluster://`, the direct ceiling redis-py's RedisCluster
 ceiling streams to the master that owns the request's slot.
 
 `processes` runs the service as one or several replicas on the same Redis, the clients
-reaching them through one round-robin target (`services.policy.client`); `unpipelined` also
-runs one replica the way the service ran before automatic pipelining (one Redis round trip
-per call, `--no-redis-pipelining`), so both are measured in the same run, and on the cluster
+reaching them through one round-robin target (`services.policy.client`), their calls in
+Session streams; `unpipelined` also runs one replica called with unary calls, as before
+Session ("service-unary"), and one the way the service ran before automatic pipelining too
+(one Redis round trip per call, `--no-redis-pipelining`), so all are measured in the same run, and on the cluster
 one replica that acknowledges without waiting for a Redis replica (the cost of WAIT); `Health` (a gRPC
 health check of the same process: no policy code, no Redis) is the floor a gRPC call to it
 costs. With `unpipelined`, on one Redis, the store itself is measured in this process too
@@ -199,9 +200,10 @@ class DirectPublisher:
 class Variant:
     """One way of running the service: `processes` replicas started with `args`."""
 
-    path: str  # "service" | "service-unpipelined" | "service-no-wait"
+    path: str  # "service" | "service-unary" | "service-unpipelined" | "service-no-wait"
     processes: int
     args: tuple[str, ...] = ()
+    session_streams: int = PolicyClientConfig.session_streams  # the clients'; 0: unary calls
 
 
 def variants(config: BenchConfig, backend: str = "single") -> list[Variant]:
@@ -210,7 +212,8 @@ def variants(config: BenchConfig, backend: str = "single") -> list[Variant]:
     mutation WAITs for one) one replica acknowledging without WAIT: the cost of WAIT."""
     found = [Variant("service", n) for n in config.processes]
     if config.unpipelined:
-        found.append(Variant("service-unpipelined", 1, ("--no-redis-pipelining",)))
+        found.append(Variant("service-unary", 1, session_streams=0))
+        found.append(Variant("service-unpipelined", 1, ("--no-redis-pipelining",), session_streams=0))
         if backend == "cluster":
             found.append(Variant("service-no-wait", 1, ("--redis-wait-replicas", "0")))
     return found
@@ -220,7 +223,8 @@ async def bench_service(config: BenchConfig, variant: Variant, target: str, clie
                         manifest_json: bytes, floor: bool) -> list[Measurement]:
     """PublishState and GetFence of `clients` closed-loop clients (each its own channel, as
     each gateway or worker has) at `target`; with `floor`, a health check of it too."""
-    policy_clients = [PolicyClient(PolicyClientConfig(target, timeout_s=10.0)) for _ in range(clients)]
+    policy_clients = [PolicyClient(PolicyClientConfig(target, timeout_s=10.0, session_streams=variant.session_streams))
+                      for _ in range(clients)]
     try:
         sha = (await policy_clients[0].register_manifest(manifest_json)).ref.sha256
         ids = [f"bench-{variant.path}-{variant.processes}-{clients}-{i}-{time.monotonic_ns()}" for i in range(clients)]

@@ -17,9 +17,10 @@ from policy_service.bench import OPERATIONS, BenchRun, Measurement
 MONOTONICITY_TEST = ("tests/policy_service/test_policy_cluster.py::"
                      "test_request_generation_increases_across_key_expiry_and_loss")
 ISSUE_BASELINE_OPS = 1150  # PublishState at 64 clients when issue 21 was filed
-SERVICE_PATHS = ("service", "service-unpipelined", "service-no-wait", "store-in-process",
+SERVICE_PATHS = ("service", "service-unary", "service-unpipelined", "service-no-wait", "store-in-process",
                  "store-in-process-unpipelined")
-_SUFFIX = {"service": "", "service-unpipelined": ", unpipelined (before)", "service-no-wait": ", no WAIT"}
+_SUFFIX = {"service": "", "service-unary": ", unary calls (no Session)",
+           "service-unpipelined": ", unary, unpipelined (before)", "service-no-wait": ", no WAIT"}
 _STORE = {"store-in-process": "store in-process (no gRPC)",
           "store-in-process-unpipelined": "store in-process, unpipelined"}
 
@@ -88,16 +89,21 @@ def goal_lines(results: Sequence[Measurement]) -> list[str]:
     one = _find(results, backend="single", path="service", processes=1, operation="PublishState", clients=1)
     direct = _find(results, backend="single", path="redis-direct", operation="PublishState", clients=1)
     floor = _find(results, backend="single", path="service", processes=1, operation="Health", clients=1)
+    unary = _find(results, backend="single", path="service-unary", operation="PublishState", clients=1)
     if one and direct:
-        floor_text = f"; a bare gRPC health check of the same process: p50 {floor.p50_ms:.3f} ms" if floor else ""
+        floor_text = f"; a bare unary gRPC health check of the same process: p50 {floor.p50_ms:.3f} ms" if floor else ""
+        unary_text = f"; unary calls (no Session) {unary.p50_ms:.3f} ms" if unary else ""
         lines.append(f"- One client, PublishState p50: {one.p50_ms:.3f} ms, direct script {direct.p50_ms:.3f} ms "
-                     f"(ratio {one.p50_ms / direct.p50_ms:.2f}; goal <= 2){floor_text}.")
+                     f"(ratio {one.p50_ms / direct.p50_ms:.2f}; goal <= 2){unary_text}{floor_text}.")
     top = max((m.clients for m in results if m.path == "service"), default=0)
     new = _find(results, backend="single", path="service", processes=1, operation="PublishState", clients=top)
     old = _find(results, backend="single", path="service-unpipelined", operation="PublishState", clients=top)
+    unary_top = _find(results, backend="single", path="service-unary", operation="PublishState", clients=top)
     if new:
-        versus = f", unpipelined (the path before) {old.ops_per_s:.0f} ops/s: x{new.ops_per_s / old.ops_per_s:.2f}" \
-            if old else ""
+        versus = f", unary and unpipelined (the path before) {old.ops_per_s:.0f} ops/s: " \
+                 f"x{new.ops_per_s / old.ops_per_s:.2f}" if old else ""
+        if unary_top:
+            versus += f", unary calls {unary_top.ops_per_s:.0f} ops/s: x{new.ops_per_s / unary_top.ops_per_s:.2f}"
         lines.append(f"- Saturated ({top} clients), one process, PublishState: {new.ops_per_s:.0f} ops/s{versus}; "
                      f"x{new.ops_per_s / ISSUE_BASELINE_OPS:.2f} the {ISSUE_BASELINE_OPS} ops/s the issue "
                      "measured (goal x2).")

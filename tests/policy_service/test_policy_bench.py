@@ -60,6 +60,8 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
             ("single", "service", 1, "PublishState", 64, 2400, 20.0),
             ("single", "service", 2, "PublishState", 64, 3600, 15.0),
             ("single", "service-unpipelined", 1, "PublishState", 64, 1200, 50.0),
+            ("single", "service-unary", 1, "PublishState", 1, 800, 1.6),
+            ("single", "service-unary", 1, "PublishState", 64, 1600, 40.0),
             ("single", "redis-direct", 1, "PublishState", 64, 4000, 10.0),
             ("cluster", "service", 1, "GetFence", 64, 3000, 12.0),
             ("cluster", "service", 1, "PublishState", 16, 900, 4.0),
@@ -70,8 +72,10 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
                               acknowledged_while_unreplicated=0, resumed=30, retries=5, failover_s=2.0)
     text = render_markdown(BenchRun(results, failover), "kvrelay bench policy --scale", "2 CPUs")
     assert "| single | 2 processes | PublishState | 64 | 3600 |" in text
-    assert "| single | 1 process, unpipelined (before) | PublishState | 64 | 1200 |" in text
-    assert "(ratio 2.50; goal <= 2)" in text and "x2.00" in text and "x1.50 one process" in text
+    assert "| single | 1 process, unary, unpipelined (before) | PublishState | 64 | 1200 |" in text
+    assert "| single | 1 process, unary calls (no Session) | PublishState | 64 | 1600 |" in text
+    assert "(ratio 2.50; goal <= 2); unary calls (no Session) 1.600 ms" in text
+    assert "x2.00" in text and "unary calls 1600 ops/s: x1.50" in text and "x1.50 one process" in text
     assert "| cluster | 1 process, no WAIT | PublishState | 16 | 1000 |" in text
     assert "WAIT 1 on the cluster, PublishState at 16 clients: p50 4.000 ms vs 3.500 ms without" in text
     assert "read back from the promoted replica: 80 of 80**" in text and MONOTONICITY_TEST in text
@@ -80,8 +84,9 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
 
 def test_the_variants_are_the_replica_counts_and_the_path_before() -> None:
     found = variants(BenchConfig(processes=(1, 2), unpipelined=True))
-    assert [(v.path, v.processes, v.args) for v in found] == [
-        ("service", 1, ()), ("service", 2, ()), ("service-unpipelined", 1, ("--no-redis-pipelining",))]
+    assert [(v.path, v.processes, v.args, v.session_streams) for v in found] == [
+        ("service", 1, (), 2), ("service", 2, (), 2), ("service-unary", 1, (), 0),
+        ("service-unpipelined", 1, ("--no-redis-pipelining",), 0)]
     on_cluster = variants(BenchConfig(unpipelined=True), "cluster")
     assert [(v.path, v.args) for v in on_cluster][-1] == ("service-no-wait", ("--redis-wait-replicas", "0"))
     with pytest.raises(ValueError, match="target"):
