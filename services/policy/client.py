@@ -19,6 +19,11 @@ first attempt took effect before its answer was lost:
 - BeginRequest by the same identity begins the request once more with a higher generation:
   the first generation was never handed out, so no worker holds it, and the one returned is
   above it (fenced like any newer generation).
+
+Those four per-request calls go over `PolicyService.Session` streams (`session_streams` per
+client, `services.policy.session`): a message on an open stream costs a fraction of a unary
+call. Each still has its own deadline and typed error; a client of a service without Session
+makes unary calls.
 """
 
 from __future__ import annotations
