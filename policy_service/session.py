@@ -13,8 +13,9 @@ admitted by the weakest one), counted under the method's name in `kvrelay_rpc_*`
 SERVER span of that name continuing the trace the call carries, and bounded by the deadline it
 carries (DEADLINE_EXCEEDED past it). Its error goes back in its own reply (status code and
 ErrorDetail, bounded like trailers), never failing the stream or another call. Calls run
-concurrently, at most `MAX_IN_FLIGHT` per stream: past that the stream is not read, so gRPC's
-flow control holds the client back.
+concurrently, at most `MAX_IN_FLIGHT` per stream, counting answers not yet sent: past that
+the stream is not read, so gRPC's flow control holds the client back (also one that stops
+reading its replies).
 
 A stream ends OK when the client half-closes (after every call read was answered) or when the
 service drains (`Sessions.drain`, before the server stops): calls already read are answered,
@@ -73,10 +74,7 @@ class Sessions:
         reading = True
 
         async def answer(call: policy_pb2.SessionCall) -> None:
-            try:
-                replies.put_nowait(await self._answer(call))
-            finally:
-                slots.release()
+            replies.put_nowait(await self._answer(call))  # its slot is freed once it is sent
 
         async def read() -> None:
             nonlocal reading
@@ -101,6 +99,7 @@ class Sessions:
                 reply = await replies.get()
                 if reply is not None:
                     yield reply
+                    slots.release()  # a client that stops reading replies stops being read
                 elif not reading and running:  # the reader ended: wait for the last answers
                     await asyncio.wait(set(running))
         finally:

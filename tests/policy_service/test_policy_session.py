@@ -253,3 +253,29 @@ async def test_calls_of_a_closed_client_fail_instead_of_waiting(policy_server: P
     with pytest.raises(Exception, match="closed|CANCELLED"):
         await client.get_fence("closed")
     assert time.monotonic() - started < 1.0
+
+
+async def test_a_client_that_stops_reading_replies_stops_being_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import policy_service.session as session_module
+
+    monkeypatch.setattr(session_module, "MAX_IN_FLIGHT", 4)
+
+    async def fence(request: policy_pb2.GetFenceRequest) -> policy_pb2.GetFenceResponse:
+        return policy_pb2.GetFenceResponse()
+
+    read = 0
+
+    async def calls() -> AsyncIterator[policy_pb2.SessionCall]:
+        nonlocal read
+        for call_id in range(1, 101):
+            read += 1
+            call = policy_pb2.SessionCall(call_id=call_id)
+            call.get_fence.request_id = "r"
+            yield call
+
+    replies = Sessions({"get_fence": ("GetFence", fence)}).serve(calls())
+    first = await asyncio.wait_for(anext(replies), 5)
+    await asyncio.sleep(0.2)  # answers pile up unsent: the reader must stop
+    assert first.call_id == 1 and read <= 4 + 2, read
+    rest = [reply.call_id async for reply in replies]  # reading again drains every call
+    assert sorted([first.call_id, *rest]) == list(range(1, 101))
