@@ -22,7 +22,7 @@ serve_app = typer.Typer(no_args_is_help=True, help="Run a kvrelay service.")
 def serve_policy(
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_POLICY_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
     port: int = typer.Option(50061, envvar="KVRELAY_POLICY_PORT"),
-    redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="redis:// or rediss:// (user:password@ for AUTH/ACL), redis+cluster:// or rediss+cluster:// for a Redis Cluster; unset starts an embedded redis-server."),
+    redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="redis:// or rediss:// (user:password@ for AUTH/ACL), redis+cluster:// or rediss+cluster:// for a Redis Cluster, redis+sentinel://user:pass@host:port,host:port/MASTER/DB (or rediss+sentinel://; user:pass@ and /DB optional) for the master Redis Sentinel names; unset starts an embedded redis-server."),
     redis_data_dir: Path | None = typer.Option(None, envvar="KVRELAY_REDIS_DATA_DIR", help="Embedded redis only: AOF persistence here."),
     redis_appendfsync: str = typer.Option("everysec", envvar="KVRELAY_REDIS_APPENDFSYNC", help="Embedded redis only: always | everysec | no."),
     manifest_journal: Path | None = typer.Option(None, envvar="KVRELAY_POLICY_MANIFEST_JOURNAL", help="Append every stored manifest to this file; a Redis that lost its data (or a restarted service) gets them back from it. Unset: kept in memory only."),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from services.kvpolicy.fit import Deployment
 from services.policy.types import MAX_LEASE_MS
@@ -13,7 +13,34 @@ from services.redis_embedded import APPENDFSYNC_MODES
 from services.rpc.server import ServerConfig
 
 # `+cluster`: a Redis Cluster (redis-py's RedisCluster; the URL names one startup node).
-REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+# `+sentinel`: the master a set of Redis Sentinels names (redis-py's Sentinel.master_for):
+# `redis+sentinel://[user:pass@]host:port[,host:port...]/<master-name>[/db]`.
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel",
+                 "rediss+sentinel")
+SENTINEL_PORT = 26379
+_MAX_SENTINELS = 16
+
+
+class RedisUrlInvalid(ValueError):
+    """`redis_url` does not parse; the message names the field, never the password."""
+
+    field = "redis_url"
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """What a `redis+sentinel://` (`rediss+sentinel://`: TLS) URL names: the sentinels to ask,
+    the master's name among them, the database, and the credentials of the master and its
+    replicas (also sent to the sentinels: see `policy_service.sentinel`). `query`: the URL's
+    query string, parsed by redis-py as for a redis:// URL (TLS options, for example)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    query: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,9 +85,11 @@ class PolicyServiceConfig:
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
-            scheme = urlsplit(self.redis_url).scheme
+            scheme = _split(self.redis_url).scheme
             if scheme not in REDIS_SCHEMES:
-                raise ValueError(f"redis_url: scheme {scheme!r} is not one of {REDIS_SCHEMES}")
+                raise RedisUrlInvalid(f"redis_url: scheme {scheme!r} is not one of {REDIS_SCHEMES}")
+            if is_sentinel_url(self.redis_url):
+                parse_sentinel_url(self.redis_url)
         if self.redis_appendfsync not in APPENDFSYNC_MODES:
             raise ValueError(f"redis_appendfsync: {self.redis_appendfsync!r} is not one of {APPENDFSYNC_MODES}")
         if not self.key_prefix or any(c.isspace() or c in "{}" for c in self.key_prefix):
@@ -107,13 +136,77 @@ def plain_redis_url(url: str) -> str:
     return urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
 
 
+def _split(url: str) -> SplitResult:
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # unbalanced [ ] around an IPv6 host
+        raise RedisUrlInvalid(f"redis_url: does not parse ({exc})") from None
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether `url` names a master through Redis Sentinel (`redis+sentinel://`,
+    `rediss+sentinel://`)."""
+    return _split(url).scheme.endswith("+sentinel")
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """The parts of `redis+sentinel://[user:pass@]host[:port][,host[:port]...]/<master>[/db]`
+    (port default 26379; IPv6 hosts in brackets); RedisUrlInvalid naming `redis_url` if it
+    does not parse. urlsplit cannot read a netloc with several hosts, so it is split here."""
+    parts = _split(url)
+    if not is_sentinel_url(url):
+        raise RedisUrlInvalid(f"redis_url: {parts.scheme!r} is not a +sentinel scheme")
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if at else ("", "", "")
+    sentinels = tuple(_sentinel_address(item) for item in hostlist.split(","))
+    if len(sentinels) > _MAX_SENTINELS:
+        raise RedisUrlInvalid(f"redis_url: {len(sentinels)} sentinels, at most {_MAX_SENTINELS}")
+    segments = parts.path.strip("/").split("/") if parts.path.strip("/") else []
+    if not 1 <= len(segments) <= 2 or not _is_master_name(unquote(segments[0])):
+        raise RedisUrlInvalid("redis_url: the path must be /<master-name>[/db] (a sentinel URL "
+                              "names its master; letters, digits, '.', '_', '-')")
+    db = segments[1] if len(segments) == 2 else "0"
+    if not db.isdigit() or int(db) > 65535:
+        raise RedisUrlInvalid(f"redis_url: database {db[:20]!r} is not an integer in [0, 65535]")
+    return SentinelUrl(sentinels, unquote(segments[0]), int(db), unquote(username) or None,
+                       unquote(password) if at and password else None,
+                       parts.scheme.startswith("rediss"), parts.query)
+
+
+def _sentinel_address(item: str) -> tuple[str, int]:
+    host, port = item, ""
+    if item.startswith("["):  # [IPv6]:port
+        host, bracket, rest = item[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise RedisUrlInvalid(f"redis_url: sentinel address {item[:80]!r} is malformed")
+        port = rest[1:]
+    elif ":" in item:
+        host, _, port = item.rpartition(":")
+    if not host or any(c.isspace() or c in "/?#@[]" for c in host):
+        raise RedisUrlInvalid(f"redis_url: sentinel address {item[:80]!r} has no valid host")
+    if port and not (port.isdigit() and 0 < int(port) <= 65535):
+        raise RedisUrlInvalid(f"redis_url: sentinel address {item[:80]!r}: port is not in "
+                              "[1, 65535]")
+    return host, int(port) if port else SENTINEL_PORT
+
+
+def _is_master_name(name: str) -> bool:
+    return 0 < len(name) <= 128 and all(c.isalnum() or c in "._-" for c in name)
+
+
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """The URL without its password (in the userinfo, or a `password` query argument, which
+    redis-py also reads), for logs and error messages. The hosts are kept as written (a
+    sentinel URL lists several, which urlsplit cannot parse)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a redis URL that does not parse)"
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any("password" in key for key, _ in query):
+        hidden = [(key, "***" if "password" in key else value) for key, value in query]
+        parts = parts._replace(query=urlencode(hidden, safe="/*"))
+    return urlunsplit(parts)

@@ -24,10 +24,17 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from policy_service.archive import ManifestArchive
-from policy_service.config import PolicyServiceConfig, is_cluster_url, plain_redis_url, redact_url
+from policy_service.config import (
+    PolicyServiceConfig,
+    is_cluster_url,
+    is_sentinel_url,
+    plain_redis_url,
+    redact_url,
+)
 from policy_service.durability import Durability, NodeClient
 from policy_service.pending_ends import PendingEnds
 from policy_service.recovery import Recovery
+from policy_service.sentinel import close_sentinels, sentinel_client
 from policy_service.service import SERVICE_NAME, PolicyServicer
 from policy_service.store import KeySchema, PolicyStore, RedisClient
 from services.redis_embedded import EmbeddedRedis, EmbeddedRedisConfig
@@ -54,8 +61,12 @@ def _retry(config: PolicyServiceConfig) -> Retry:
 def redis_client(url: str, config: PolicyServiceConfig) -> RedisClient:
     """An asyncio client for redis:// or rediss:// (user and password from the URL) with
     bounded retries and exponential backoff on connection errors and timeouts; for
-    redis+cluster:// or rediss+cluster:// a RedisCluster (the same limits, per node)."""
+    redis+cluster:// or rediss+cluster:// a RedisCluster (the same limits, per node); for
+    redis+sentinel:// or rediss+sentinel:// the master its sentinels name (the same limits,
+    policy_service.sentinel)."""
     retry = _retry(config)
+    if is_sentinel_url(url):
+        return sentinel_client(url, config, retry)
     if is_cluster_url(url):
         return RedisCluster.from_url(
             plain_redis_url(url),
@@ -134,6 +145,8 @@ async def check_redis(client: RedisClient, url: str) -> None:
         raise PolicyStartupError(f"redis cluster at {where} could not be used: {exc}") from exc
     if info.get("redis_mode") == "cluster" and not isinstance(client, RedisCluster):
         raise PolicyStartupError(f"redis at {where} is a cluster node: use a redis+cluster:// URL")
+    if info.get("redis_mode") == "sentinel":  # a redis:// URL naming a sentinel's port
+        raise PolicyStartupError(f"redis at {where} is a sentinel: use a redis+sentinel:// URL")
     version = tuple(int(part) for part in str(info["redis_version"]).split(".")[:2])
     if version < MIN_REDIS_VERSION:
         raise PolicyStartupError(f"redis at {where} is {info['redis_version']}; kvrelay needs >= 6.2")
@@ -205,11 +218,13 @@ class PolicyServer:
 
 
 async def close_client(client: RedisClient) -> None:
-    """Close the client and its connections (a cluster client owns one pool per node)."""
+    """Close the client and its connections (a cluster client owns one pool per node; a
+    sentinel-managed one also has the sentinels' connections)."""
     if isinstance(client, RedisCluster):
         await client.aclose()
     else:
         await client.aclose(close_connection_pool=True)
+        await close_sentinels(client)
 
 
 def policy_store(client: RedisClient, config: PolicyServiceConfig, durable: Durability | None = None,
