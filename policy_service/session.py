@@ -33,10 +33,15 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
-from services.rpc.errors import InvalidArgument, RpcStatus, bounded, status_for
+from services.rpc.errors import (
+    InvalidArgument,
+    RpcStatus,
+    bounded,
+    reject_unknown_fields,
+    status_for,
+)
 from services.rpc.kvrelay.v1 import common_pb2, policy_pb2
 from services.security.access import authorize_within, caller
 from services.telemetry.metrics import observe_rpc
@@ -115,7 +120,7 @@ class Sessions:
         traced = rpc_span(method_name, SpanKind.SERVER, call.trace_context) if tracing_enabled() else _UNTRACED
         with traced as current:
             try:
-                _reject_unknown_envelope_fields(call)
+                reject_unknown_fields(call, nested=False)  # the request checks its own
                 if method is None:
                     raise InvalidArgument("names no call: set one of " + ", ".join(self.methods), field="call")
                 authorize_within(method_name, caller())
@@ -132,14 +137,6 @@ class Sessions:
                 return policy_pb2.SessionReply(call_id=call.call_id, error=_session_error(status))
             finally:
                 observe_rpc(method_name, code.name, started)
-
-
-def _reject_unknown_envelope_fields(call: policy_pb2.SessionCall) -> None:
-    """The envelope's own fields (the call's request checks its own, with its own names)."""
-    unknown = UnknownFieldSet(call)
-    if len(unknown):
-        number = unknown[0].field_number
-        raise InvalidArgument(f"unknown field (field number {number})", field=f"#{number}")
 
 
 def _status(exc: Exception, method: str) -> RpcStatus:

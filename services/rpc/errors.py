@@ -317,11 +317,12 @@ def _wrap_stream(method: Callable[..., AsyncGenerator[Any, None]]) -> Callable[.
     return stream
 
 
-def reject_unknown_fields(message: Message, path: str = "") -> None:
-    """Raise InvalidArgument if `message` (or a nested message) carries fields this schema
-    does not define, including a known field number sent with the wrong wire type (e.g. a
-    string where an integer generation belongs), which protobuf would otherwise drop and
-    leave at its default."""
+def reject_unknown_fields(message: Message, path: str = "", *, nested: bool = True) -> None:
+    """Raise InvalidArgument if `message` (or, with `nested`, a nested message) carries fields
+    this schema does not define, including a known field number sent with the wrong wire type
+    (e.g. a string where an integer generation belongs), which protobuf would otherwise drop and
+    leave at its default. Without `nested` only the envelope's own fields are checked (a
+    policy SessionCall: the request inside checks its own, naming fields from its own root)."""
     unknown = UnknownFieldSet(message)
     if len(unknown):
         number = unknown[0].field_number
@@ -329,6 +330,8 @@ def reject_unknown_fields(message: Message, path: str = "") -> None:
         name = _join(path, known.name if known else f"#{number}")
         problem = "wrong wire type for this field" if known else "unknown field"
         raise InvalidArgument(f"{problem} (field number {number})", field=name)
+    if not nested:
+        return
     for descriptor, value in message.ListFields():
         if descriptor.message_type is None or descriptor.message_type.GetOptions().map_entry:
             continue
