@@ -7,7 +7,7 @@ manifest (the one `ManifestCache`) and the fence and calls them in order —
 
     check_manifest(manifest, handoff, deployment)   # the receipt's manifest, and it fits (kvpolicy.fit)
     check_view(view, manifest, handoff)             # layout, shapes, dtypes, offsets, frontier
-    check_offload(manifest, handoff, sidecar, view) # recallable manifests: summaries
+    check_offload(manifest, handoff, sidecar, view) # recallable manifests: summaries, row codes
     check_budgets(manifest, handoff)                # static policies: the rule's own row count
     check_fidelity(manifest, handoff, view)         # full_cache_exact: every row of every owner
     recompute_receipt(manifest, handoff, view)      # digest over the positions that arrived, budgets
@@ -51,7 +51,12 @@ from services.kvpolicy.receipt import Receipt
 from services.kvpolicy.state import KVPolicyState
 from services.kvpolicy.static import static_protected_positions
 from services.offload.errors import OffloadError
-from services.offload.pages import OmittedRows, PageSummaries, validate_against_view
+from services.offload.pages import (
+    OmittedRows,
+    PageSummaries,
+    encode_codes,
+    validate_against_view,
+)
 from services.policy import NotFound, PolicyClient, PolicyError
 from services.policy.manifests import ManifestCache
 from services.policy.types import Fence
@@ -253,9 +258,10 @@ def check_offload(
     manifest: KVVisibilityPolicyManifest, handoff: ViewHandoff, sidecar: Sidecar | None, view: PackedKVView
 ) -> None:
     """The descriptor's recoverability is the manifest's (or irrecoverable, degraded from
-    recallable_remote with a reason); the page summaries use the manifest's page size and,
-    with the retained rows, cover every position below the frontier exactly once; host-tier
-    rows are exactly the paged positions, and their keys span exactly each page's min/max."""
+    recallable_remote with a reason); the page summaries use the manifest's page size and
+    row-code bits and, with the retained rows, cover every position below the frontier
+    exactly once; host-tier rows are exactly the paged positions, their keys span exactly
+    each page's min/max and, with codes, encode to exactly the row codes."""
     contract, offload = manifest.recoverability, handoff.offload
     degraded = (
         offload.mode is RecoverabilityMode.OMITTED_IRRECOVERABLE
@@ -273,6 +279,11 @@ def check_offload(
     if summaries.page_size != contract.page_size:
         raise ViewRejected(
             f"{summaries.page_size}, the manifest says {contract.page_size}", field="descriptor.page_size"
+        )
+    if summaries.code_bits != (contract.key_code_bits or 0):
+        raise ViewRejected(
+            f"{summaries.code_bits}-bit row codes, the manifest says {contract.key_code_bits or 0}",
+            field="sidecar.code_bits",
         )
     try:
         validate_against_view(summaries, view.selected_positions(), handoff.end)
@@ -313,3 +324,14 @@ def _check_host_rows(summaries: PageSummaries, rows: OmittedRows) -> None:
     high = empty.scatter_reduce(0, page, keys, "amax", include_self=False)
     if not (torch.equal(low, summaries.page_min.float()) and torch.equal(high, summaries.page_max.float())):
         raise ViewRejected("keys do not span their pages' summaries", field="sidecar.omitted_k")
+    if summaries.row_codes is not None:
+        _check_row_codes(summaries, keys, summaries.row_codes)
+
+
+def _check_row_codes(summaries: PageSummaries, keys: torch.Tensor, codes: torch.Tensor) -> None:
+    """The row codes are the host rows' own: encoded as the prefill worker encodes them, against
+    the page boxes just checked, so a code shifted to another row or tampered is refused."""
+    page = summaries.row_page  # [N]
+    low, high = (t.float().index_select(0, page) for t in (summaries.page_min, summaries.page_max))
+    if not torch.equal(encode_codes(keys, low, high, summaries.code_bits), codes):
+        raise ViewRejected("row codes differ from the host rows' codes", field="sidecar.row_codes")

@@ -739,6 +739,9 @@ class RepresentationContract:
         )
 
 
+KEY_CODE_BITS = (1, 2, 4)
+
+
 @dataclass(frozen=True)
 class RecoverabilityContract:
     """Whether omitted rows can come back, from where, when, and what a timeout does.
@@ -759,6 +762,10 @@ class RecoverabilityContract:
     full_recall_on_quality_gate: float | None = (
         None  # recall everything when the bound exceeds this
     )
+    # Bits per key coordinate of every omitted row's code inside its page's min/max box
+    # (1, 2 or 4; null: page min/max only). The codes travel with the page summaries and let
+    # the decode worker rank omitted pages by estimated logits, not only by the bound.
+    key_code_bits: int | None = field(default=None, metadata=OMIT_IF_NULL)
 
     _RECALL_FIELDS = (
         "recall_threshold",
@@ -783,6 +790,12 @@ class RecoverabilityContract:
                 "recoverability.full_recall_on_quality_gate",
                 "only allowed for a recallable recoverability.mode",
             )
+        if self.key_code_bits is not None:
+            if not self.recallable:
+                _fail("recoverability.key_code_bits", "only allowed for a recallable recoverability.mode")
+            if isinstance(self.key_code_bits, bool) or self.key_code_bits not in KEY_CODE_BITS:
+                _fail("recoverability.key_code_bits",
+                      f"must be one of {', '.join(map(str, KEY_CODE_BITS))}, got {echo(self.key_code_bits)}")
         if self.handoff_id is not None:
             _fail(
                 "recoverability.handoff_id",
@@ -898,6 +911,10 @@ class KVVisibilityPolicyManifest:
             )
         if not omits and self.recoverability.recallable:
             _fail("recoverability.mode", "selection.method full omits nothing to recall")
+        bits = self.recoverability.key_code_bits
+        if bits is not None and self.tensor.head_dim * bits % 8:
+            _fail("recoverability.key_code_bits",
+                  f"{bits}-bit codes of tensor.head_dim {self.tensor.head_dim} do not fill whole bytes")
         self._check_score_owner()
 
     def _check_score_owner(self) -> None:

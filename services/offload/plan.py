@@ -39,6 +39,7 @@ def offload_plan(
     if not contract.recallable or contract.page_size is None:
         return None
     owner_map = manifest.expanded_owner_map
-    summaries = summarize_pages(source_k, positions, contract.page_size, owner_map)
+    summaries = summarize_pages(source_k, positions, contract.page_size, owner_map,
+                                code_bits=contract.key_code_bits or 0)
     rows = gather_omitted(source_k, source_v, summaries, owner_map)
     return OffloadPlan(contract.mode, summaries, rows)

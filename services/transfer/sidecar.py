@@ -2,21 +2,24 @@
 omitted rows and, for `recallable_local`, the omitted rows themselves (bound for the decode
 worker's host tier, not its attention cache). In send order:
 
-    page_offsets       [L, H + 1]  int32     \\
-    page_first         [P]         int32      |  PageSummaries: the ledger's
-    page_count         [P]         int32      |  page_summary_bytes
-    page_min           [P, d_h]    K dtype    |
-    page_max           [P, d_h]    K dtype   /
-    omitted_k          [N, d_h]    K dtype   \\
-    omitted_v          [N, d_h]    V dtype    |  host tier (recallable_local only): the
-    omitted_positions  [N]         int32      |  ledger's host_tier_bytes
-    page_rows          [P + 1]     int32     /
+    page_offsets       [L, H + 1]     int32     \\
+    page_first         [P]            int32      |
+    page_count         [P]            int32      |  PageSummaries: the ledger's
+    page_min           [P, d_h]       K dtype    |  page_summary_bytes
+    page_max           [P, d_h]       K dtype    |
+    row_codes          [N, d_h b / 8] uint8     /   (only when the summaries carry b-bit codes)
+    omitted_k          [N, d_h]       K dtype   \\
+    omitted_v          [N, d_h]       V dtype    |  host tier (recallable_local only): the
+    omitted_positions  [N]            int32      |  ledger's host_tier_bytes
+    page_rows          [P + 1]        int32     /
 
 The summaries travel over the pair group, not inside the gRPC descriptor, because they grow
 with the omitted rows: P is about omitted rows / page_size, each page two d_h-wide key rows,
 so a long prompt's summaries (an 8B model at 32K context with 16-row pages: ~200 MB) are far
 past a gRPC message, while on the pair group they are bytes moved like the view's own
-metadata, counted by the same ledger.
+metadata, counted by the same ledger. The row codes (`key_code_bits` b of the manifest:
+1, 2 or 4) are N rows of d_h b-bit codes, one per omitted row page after page; b is read
+back from their width, so the descriptor needs no field of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from services.offload.errors import OffloadError
-from services.offload.pages import PAGE_INDEX_DTYPE, OmittedRows, PageSummaries
+from services.offload.pages import CODE_BITS, PAGE_INDEX_DTYPE, OmittedRows, PageSummaries
 from services.transfer.errors import DescriptorInvalid, TransferKey, TransferMismatch
 from services.transfer.layout import (
     MAX_LAYERS,
@@ -36,7 +39,9 @@ from services.transfer.layout import (
     dtype_name,
 )
 
-SUMMARY_FIELDS = ("page_offsets", "page_first", "page_count", "page_min", "page_max")
+PAGE_FIELDS = ("page_offsets", "page_first", "page_count", "page_min", "page_max")
+SUMMARY_FIELDS = (*PAGE_FIELDS, "row_codes")  # row_codes: only with code bits
+CODE_DTYPE = torch.uint8  # packed row codes, 8 / b codes a byte
 HOST_TIER_FIELDS = ("omitted_k", "omitted_v", "omitted_positions", "page_rows")
 SIDECAR_FIELDS = SUMMARY_FIELDS + HOST_TIER_FIELDS
 # Tags after every possible view message (`wire_tag` stays below MAX_LAYERS * 4).
@@ -77,6 +82,8 @@ class Sidecar:
             "page_min": s.page_min,
             "page_max": s.page_max,
         }
+        if s.row_codes is not None:
+            out["row_codes"] = s.row_codes
         if self.host_rows is not None:
             rows = self.host_rows
             out.update(omitted_k=rows.k, omitted_v=rows.v, omitted_positions=rows.positions,
@@ -87,7 +94,8 @@ class Sidecar:
 @dataclass(frozen=True)
 class SidecarLayout:
     """Shapes of a sidecar on the wire: pages, layers, owners, head dim, dtypes, page size,
-    and the host-tier row count (None: no host tier, `recallable_remote`)."""
+    the host-tier row count (None: no host tier, `recallable_remote`) and the row codes' bits
+    and rows (0 and 0: no codes; with a host tier, one code row per host row)."""
 
     num_layers: int
     num_owners: int
@@ -97,6 +105,8 @@ class SidecarLayout:
     k_dtype: torch.dtype
     v_dtype: torch.dtype
     host_rows: int | None = None
+    code_bits: int = 0
+    coded_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_owners", "head_dim", "page_size"):
@@ -106,6 +116,25 @@ class SidecarLayout:
             raise DescriptorInvalid("sidecar.num_layers", f"{self.num_layers} exceeds {MAX_LAYERS}")
         if self.host_rows is not None:
             _count("sidecar.host_rows", self.host_rows, minimum=0)
+        self._check_codes()
+
+    def _check_codes(self) -> None:
+        bits, rows = self.code_bits, self.coded_rows
+        if isinstance(bits, bool) or bits not in (0, *CODE_BITS):
+            reason = f"must be 0 or one of {CODE_BITS}, got {bits!r}"
+            raise DescriptorInvalid("sidecar.code_bits", reason)
+        if self.head_dim * bits % 8:
+            reason = f"{bits}-bit codes of d_h = {self.head_dim} are not whole bytes"
+            raise DescriptorInvalid("sidecar.code_bits", reason)
+        _count("sidecar.coded_rows", rows, minimum=0)
+        if bits == 0 and rows:
+            raise DescriptorInvalid("sidecar.coded_rows", f"{rows} code rows without code bits")
+        if rows > self.num_pages * self.page_size:  # before any buffer is allocated for them
+            reason = f"{rows} code rows exceed {self.num_pages} pages of {self.page_size} rows"
+            raise DescriptorInvalid("sidecar.coded_rows", reason)
+        if bits and self.host_rows is not None and rows != self.host_rows:
+            reason = f"{rows} code rows for {self.host_rows} host rows"
+            raise DescriptorInvalid("sidecar.coded_rows", reason)
 
     @classmethod
     def of(cls, sidecar: Sidecar, v_dtype: torch.dtype | None = None) -> SidecarLayout:
@@ -120,6 +149,8 @@ class SidecarLayout:
             k_dtype=s.page_min.dtype,
             v_dtype=rows.v.dtype if rows is not None else (v_dtype or s.page_min.dtype),
             host_rows=rows.num_rows if rows is not None else None,
+            code_bits=s.code_bits,
+            coded_rows=int(s.row_codes.shape[0]) if s.row_codes is not None else 0,
         )
 
     def specs(self) -> tuple[TensorSpec, ...]:
@@ -133,6 +164,9 @@ class SidecarLayout:
             TensorSpec("page_min", (pages, d_h), key),
             TensorSpec("page_max", (pages, d_h), key),
         ]
+        if self.code_bits:
+            codes = (self.coded_rows, self.code_width)
+            specs.append(TensorSpec("row_codes", codes, dtype_name(CODE_DTYPE)))
         if self.host_rows is not None:
             rows = self.host_rows
             specs += [
@@ -142,6 +176,11 @@ class SidecarLayout:
                 TensorSpec("page_rows", (pages + 1,), index),
             ]
         return tuple(specs)
+
+    @property
+    def code_width(self) -> int:
+        """Bytes of one row's codes (d_h codes of `code_bits` bits)."""
+        return self.head_dim * self.code_bits // 8
 
     @property
     def page_summary_bytes(self) -> int:
@@ -170,8 +209,8 @@ def sidecar_from_specs(specs: list[TensorSpec], page_size: int, v_dtype: torch.d
     if not specs:
         return None
     by_name = {spec.name: spec for spec in specs}
-    if set(SUMMARY_FIELDS) - set(by_name):
-        raise DescriptorInvalid("tensors", f"sidecar lacks {sorted(set(SUMMARY_FIELDS) - set(by_name))}")
+    if set(PAGE_FIELDS) - set(by_name):
+        raise DescriptorInvalid("tensors", f"sidecar lacks {sorted(set(PAGE_FIELDS) - set(by_name))}")
     offsets, page_min = by_name["page_offsets"], by_name["page_min"]
     if len(offsets.shape) != 2 or len(page_min.shape) != 2:
         raise DescriptorInvalid("tensors.page_offsets", "page_offsets and page_min must be 2-D")
@@ -186,10 +225,25 @@ def sidecar_from_specs(specs: list[TensorSpec], page_size: int, v_dtype: torch.d
         k_dtype=dtype_from_name(page_min.dtype, "tensors.page_min.dtype"),
         v_dtype=dtype_from_name(local_v.dtype, "tensors.omitted_v.dtype") if local_v else v_dtype,
         host_rows=None if host is None else (host.shape[0] if len(host.shape) == 2 else -1),
+        **_codes_of(by_name.get("row_codes"), page_min.shape[1]),
     )
     if tuple(specs) != layout.specs():
         raise DescriptorInvalid("tensors", f"sidecar specs {specs} != {list(layout.specs())}")
     return layout
+
+
+def _codes_of(spec: TensorSpec | None, head_dim: int) -> dict[str, int]:
+    """`code_bits` and `coded_rows` of a row_codes spec: its bits are its width * 8 / d_h."""
+    if spec is None:
+        return {}
+    if spec.dtype != dtype_name(CODE_DTYPE):
+        reason = f"{spec.dtype!r}, row codes are {dtype_name(CODE_DTYPE)}"
+        raise DescriptorInvalid("tensors.row_codes.dtype", reason)
+    widths = {head_dim * bits // 8: bits for bits in CODE_BITS if head_dim * bits % 8 == 0}
+    if len(spec.shape) != 2 or spec.shape[1] not in widths:
+        reason = f"{list(spec.shape)} is not [N, d_h * b / 8], d_h = {head_dim}, b in {CODE_BITS}"
+        raise DescriptorInvalid("tensors.row_codes.shape", reason)
+    return {"code_bits": widths[spec.shape[1]], "coded_rows": spec.shape[0]}
 
 
 def check_sidecar(layout: SidecarLayout, sidecar: Sidecar, key: TransferKey) -> None:
@@ -200,6 +254,9 @@ def check_sidecar(layout: SidecarLayout, sidecar: Sidecar, key: TransferKey) -> 
         raise TransferMismatch(key, "sidecar", f"carries {list(tensors)}, descriptor says {[s.name for s in specs]}")
     if sidecar.summaries.page_size != layout.page_size:
         raise TransferMismatch(key, "page_size", f"{sidecar.summaries.page_size} != {layout.page_size}")
+    if sidecar.summaries.code_bits != layout.code_bits:
+        bits = sidecar.summaries.code_bits
+        raise TransferMismatch(key, "code_bits", f"{bits} != {layout.code_bits}")
     for spec in specs:
         tensor = tensors[spec.name]
         if tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.dtype:
@@ -227,6 +284,8 @@ def sidecar_from_buffers(layout: SidecarLayout, buffers: dict[str, torch.Tensor]
             page_first=host["page_first"],
             page_count=host["page_count"],
             page_offsets=host["page_offsets"],
+            code_bits=layout.code_bits,
+            row_codes=host.get("row_codes"),
         )
         rows = None
         if layout.host_rows is not None:

@@ -22,6 +22,7 @@ from decode_worker.verify import (
     check_fence,
     check_fidelity,
     check_manifest,
+    check_offload,
     check_payload,
     check_view,
     protected_positions_for,
@@ -29,9 +30,20 @@ from decode_worker.verify import (
     verified_state,
 )
 from services.kvpolicy.fit import Deployment
-from services.kvpolicy.manifest import DType, GQAGrouping, TensorContract, default_manifests
+from services.kvpolicy.ledger import with_host_tier, with_page_summaries
+from services.kvpolicy.manifest import (
+    DType,
+    GQAGrouping,
+    KVVisibilityPolicyManifest,
+    RecoverabilityMode,
+    TensorContract,
+    default_manifests,
+)
 from services.kvpolicy.packing import pack
+from services.offload.plan import offload_plan
+from services.offload.recall import RecallKnobs, with_recall
 from services.policy.types import Fence, Phase
+from services.transfer import OffloadRef, Sidecar, SidecarLayout
 
 CONTRACT = TensorContract(2, 4, 2, 16, DType.FLOAT32, DType.FLOAT32)
 MANIFESTS = default_manifests(CONTRACT, observation_window=4)
@@ -259,3 +271,73 @@ def test_a_full_view_that_omits_a_row_is_rejected(prefilled):
 def test_the_verified_state_keeps_the_budgets(prefilled):
     packed = pack_state(MANIFESTS["snapkv-pyramid"], prefilled, "req-1")
     assert verified_state(packed.receipt).owner_budgets == packed.state.owner_budgets is not None
+
+
+# --- recallable manifests: page summaries and row codes ------------------------------------
+
+LOCAL, REMOTE = RecoverabilityMode.RECALLABLE_LOCAL, RecoverabilityMode.RECALLABLE_REMOTE
+
+
+def recallable(mode: RecoverabilityMode, code_bits: int | None) -> KVVisibilityPolicyManifest:
+    knobs = RecallKnobs(threshold=0.5, page_size=4, max_pages_per_step=4, cadence_steps=1)
+    manifest = with_recall(MANIFESTS["snapkv"], knobs, mode=mode)
+    contract = dataclasses.replace(manifest.recoverability, key_code_bits=code_bits)
+    return dataclasses.replace(manifest, recoverability=contract)
+
+
+def offloaded(manifest: KVVisibilityPolicyManifest, prefilled, summaries_of=None):
+    """The packed view, handoff and sidecar the prefill worker's offload stage makes under
+    `manifest` (`summaries_of`: another manifest whose plan supplies the summaries)."""
+    packed = pack_state(manifest, prefilled, "req-1")
+    result = prefilled.result
+    positions = packed.state.selected_positions
+    plan = offload_plan(summaries_of or manifest, result.source_k, result.source_v, positions)
+    assert plan is not None
+    mode = manifest.recoverability.mode
+    car = Sidecar(plan.summaries, plan.rows if mode is LOCAL else None)
+    offload = OffloadRef(mode, "h-1", "127.0.0.1:9", 1000) if mode is REMOTE else OffloadRef(mode)
+    # The ledger charged as the prefill worker charges it (summaries with their codes); the
+    # handoff checks that it moves exactly what the descriptor's tensors list.
+    charged = with_page_summaries(packed.ledger, car.summaries.nbytes)
+    ledger = with_host_tier(charged, car.host_tier_bytes)
+    sidecar = SidecarLayout.of(car, packed.view.packed_v.dtype)
+    handoff = packed.handoff(sidecar=sidecar, offload=offload, ledger=ledger)
+    return packed, handoff, car
+
+
+@pytest.mark.parametrize(
+    ("mode", "code_bits"), [(LOCAL, None), (REMOTE, None), (LOCAL, 1), (LOCAL, 4), (REMOTE, 2)]
+)
+def test_summaries_with_the_manifests_code_bits_pass(mode, code_bits, prefilled):
+    manifest = recallable(mode, code_bits)
+    packed, handoff, car = offloaded(manifest, prefilled)
+    assert car.summaries.code_bits == (code_bits or 0)
+    assert (car.summaries.row_codes is None) == (not code_bits)
+    check_offload(manifest, handoff, car, packed.view)
+
+
+@pytest.mark.parametrize(("declared", "sent"), [(2, 4), (2, None), (None, 1)])
+def test_code_bits_other_than_the_manifests_are_rejected(declared, sent, prefilled):
+    manifest = recallable(LOCAL, declared)
+    packed, handoff, car = offloaded(manifest, prefilled, summaries_of=recallable(LOCAL, sent))
+    with pytest.raises(ViewRejected) as error:
+        check_offload(manifest, handoff, car, packed.view)
+    assert error.value.field == "sidecar.code_bits"
+
+
+@pytest.mark.parametrize("forge", ["shifted", "tampered"])
+def test_local_row_codes_that_are_not_the_host_rows_are_rejected(forge, prefilled):
+    manifest = recallable(LOCAL, 2)
+    packed, handoff, car = offloaded(manifest, prefilled)
+    codes = car.summaries.row_codes
+    assert codes is not None
+    if forge == "shifted":  # every row's codes moved to the next row
+        forged = torch.roll(codes, 1, dims=0)
+    else:  # one coordinate of one row moved to the next level
+        forged = codes.clone()
+        forged[codes.shape[0] // 2, 0] ^= 0b01
+    assert not torch.equal(forged, codes)
+    summaries = dataclasses.replace(car.summaries, row_codes=forged)
+    with pytest.raises(ViewRejected) as error:
+        check_offload(manifest, handoff, Sidecar(summaries, car.host_rows), packed.view)
+    assert error.value.field == "sidecar.row_codes"

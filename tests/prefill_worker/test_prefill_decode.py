@@ -13,7 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -22,10 +22,13 @@ from prefill_helpers import prompt_ids
 
 from prefill_worker.pipeline import PrefillJob, forward
 from prefill_worker.wire import DecodeTarget, PrefillCall
-from services.kvpolicy.compress import compress
-from services.kvpolicy.manifest import KVVisibilityPolicyManifest
+from services.kvpolicy.compress import Compressed, compress
+from services.kvpolicy.manifest import KVVisibilityPolicyManifest, RecoverabilityMode
 from services.launcher.stack import ServiceProcess, service_command
 from services.model import LoadedModel, SamplingParams, generate
+from services.model.runtime import PromptForward
+from services.offload.plan import OffloadPlan, offload_plan
+from services.offload.recall import RecallKnobs, with_recall
 from services.policy import PolicyClient, PolicyClientConfig
 from services.policy.types import Phase
 from services.redis_embedded import EmbeddedRedis, free_loopback_port
@@ -132,14 +135,21 @@ async def prefill_then_decode(
     raise AssertionError(f"the stream of {request_id} ended without a summary")
 
 
-def in_process_digest(
+def in_process(
     model: LoadedModel, manifest: KVVisibilityPolicyManifest, request_id: str, generation: int, prompt: list[int]
-) -> str:
+) -> tuple[PromptForward, Compressed]:
+    """The prefill worker's forward and compression of `prompt`, in this process."""
     call = PrefillCall(request_id, generation, tuple(prompt), SamplingParams(), MAX_TOKENS, manifest.sha256,
                        DecodeTarget("127.0.0.1:1", "unused"))
     job = PrefillJob(call, manifest)
     fwd = forward(model, job, chunk_size=512)
-    return compress(manifest, fwd.result, job.identity).receipt.digest
+    return fwd, compress(manifest, fwd.result, job.identity)
+
+
+def in_process_digest(
+    model: LoadedModel, manifest: KVVisibilityPolicyManifest, request_id: str, generation: int, prompt: list[int]
+) -> str:
+    return in_process(model, manifest, request_id, generation, prompt)[1].receipt.digest
 
 
 def assert_bytes_match_the_ledger(run: Run) -> None:
@@ -180,3 +190,42 @@ async def test_snapkv_view_is_verified_against_the_published_receipt(
     fence = await policy_client.get_fence("p2d-snapkv")
     assert fence.receipt_digest == receipt.digest
     assert fence.phase in (Phase.PREFILLED, Phase.ENDED)  # the decode worker ends it after the summary
+
+
+async def test_row_codes_travel_with_a_recallable_local_view_and_are_verified(
+    workers: Workers, policy_client: PolicyClient, model: LoadedModel, manifests: dict[str, KVVisibilityPolicyManifest]
+) -> None:
+    """A manifest with `key_code_bits`: the prefill worker codes every omitted row, the codes
+    travel in the sidecar (counted with the page summaries), the decode worker verifies them
+    against the host rows and, with the full-recall gate, decodes like the full cache."""
+    knobs = RecallKnobs(threshold=0.0, page_size=4, max_pages_per_step=64, cadence_steps=1, timeout_ms=5000,
+                        full_recall_gate=1e-6)
+    base = with_recall(manifests["snapkv"], knobs, mode=RecoverabilityMode.RECALLABLE_LOCAL)
+    manifest = replace(base, name="snapkv-local-coded", policy_manifest_id="snapkv-local-coded@1",
+                       recoverability=replace(base.recoverability, key_code_bits=2))
+    await policy_client.register_manifest(manifest.canonical_json())
+    prompt = prompt_ids(PROMPT_LEN, seed=13)
+    run = await prefill_then_decode(workers, policy_client, "p2d-coded", manifest, prompt)
+
+    assert run.tokens == generate(model, prompt, MAX_TOKENS)
+    receipt, ledger = run.reply.receipt, run.reply.ledger
+    assert run.summary.verified_receipt_digest == receipt.digest
+    assert run.summary.recalled_rows == receipt.omitted_rows > 0
+    # The same stages in this process: the summaries the prefill worker sent, codes included.
+    plan = in_process_plan(model, manifest, "p2d-coded", receipt.generations.request_generation, prompt)
+    codes = plan.summaries.row_codes
+    assert codes is not None and codes.shape == (receipt.omitted_rows, manifest.tensor.head_dim * 2 // 8)
+    assert ledger.page_summary_bytes == plan.summaries.nbytes > codes.numel()
+    metadata = ledger.position_map_bytes + ledger.row_offsets_bytes + ledger.page_summary_bytes
+    traffic = ledger.visible_payload_bytes + metadata + ledger.host_tier_bytes
+    assert run.summary.ledger.bytes_moved == ledger.bytes_moved == traffic
+
+
+def in_process_plan(
+    model: LoadedModel, manifest: KVVisibilityPolicyManifest, request_id: str, generation: int, prompt: list[int]
+) -> OffloadPlan:
+    fwd, compressed = in_process(model, manifest, request_id, generation, prompt)
+    state = compressed.state
+    plan = offload_plan(manifest, fwd.result.source_k, fwd.result.source_v, state.selected_positions)
+    assert plan is not None
+    return plan

@@ -427,6 +427,50 @@ def test_threshold_zero_means_recall_every_omitted_page_and_has_its_own_identity
     assert again.sha256 == zero.sha256
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_key_code_bits_round_trip_and_have_their_own_identity(bits: int) -> None:
+    coded = KVVisibilityPolicyManifest.from_dict(
+        mutated(base(), "recoverability", {**RECALLABLE, "key_code_bits": bits})
+    )
+    assert coded.recoverability.key_code_bits == bits
+    again = KVVisibilityPolicyManifest.from_json(coded.canonical_json())
+    assert again == coded and again.sha256 == coded.sha256
+    assert json.loads(coded.canonical_json())["recoverability"]["key_code_bits"] == bits
+    plain = KVVisibilityPolicyManifest.from_dict(mutated(base(), "recoverability", RECALLABLE))
+    assert coded.sha256 != plain.sha256
+
+
+def test_a_manifest_without_key_code_bits_keeps_its_canonical_json() -> None:
+    """Absent (or null) key_code_bits is not written: the recoverability object has exactly
+    the keys it had before the field existed, so every stored manifest keeps its sha."""
+    plain = KVVisibilityPolicyManifest.from_dict(mutated(base(), "recoverability", RECALLABLE))
+    null = KVVisibilityPolicyManifest.from_dict(
+        mutated(base(), "recoverability", {**RECALLABLE, "key_code_bits": None})
+    )
+    text = plain.canonical_json()
+    assert b"key_code_bits" not in text and null.canonical_json() == text
+    assert set(json.loads(text)["recoverability"]) == set(RECALLABLE)
+    assert plain.recoverability.key_code_bits is None and null.sha256 == plain.sha256
+    for manifest in default_manifests(TENSOR).values():
+        assert b"key_code_bits" not in manifest.canonical_json()
+
+
+@pytest.mark.parametrize("value", [0, 3, 8, True, "2"])
+def test_key_code_bits_must_be_one_two_or_four(value: Any) -> None:
+    expect_invalid(
+        mutated(base(), "recoverability", {**RECALLABLE, "key_code_bits": value}),
+        "recoverability.key_code_bits",
+    )
+
+
+def test_key_code_bits_need_a_recallable_mode() -> None:
+    recoverability = base()["recoverability"]
+    expect_invalid(
+        mutated(base(), "recoverability", {**recoverability, "key_code_bits": 2}),
+        "recoverability.key_code_bits",
+    )
+
+
 def test_full_policy_has_nothing_to_recall() -> None:
     expect_invalid(mutated(base("full"), "recoverability", dict(RECALLABLE)), "recoverability.mode")
 

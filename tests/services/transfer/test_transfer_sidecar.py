@@ -1,9 +1,12 @@
 """The sidecar of a recallable manifest's transfer: page summaries (and, for recallable_local,
 the omitted rows) travel after the view's layers over the same real gloo pair group, arrive
-exactly, and the bytes moved equal the ledger's traffic (view, metadata, summaries, rows)."""
+exactly, and the bytes moved equal the ledger's traffic (view, metadata, summaries, rows).
+Summaries with row codes (a manifest's `key_code_bits`) carry one more message, `row_codes`,
+counted with the summaries; without codes there is no such message."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -15,7 +18,7 @@ from kv_helpers import symbolic_kv
 from services.kvpolicy.ledger import build_ledger, with_host_tier, with_page_summaries
 from services.kvpolicy.manifest import DType, TensorContract
 from services.kvpolicy.packing import pack
-from services.offload.pages import gather_omitted, summarize_pages
+from services.offload.pages import gather_omitted, summarize_pages, unpack_codes
 from services.transfer import (
     Deadline,
     DescriptorInvalid,
@@ -31,10 +34,11 @@ from services.transfer import (
 )
 from services.transfer.codec import descriptor_from_proto, descriptor_to_proto
 from services.transfer.descriptor import PairRoute
+from services.transfer.sidecar import sidecar_from_buffers
 
 pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
-LAYERS, HEADS, TOKENS, HEAD_DIM, PAGE = 2, 2, 20, 4, 3
+LAYERS, HEADS, TOKENS, HEAD_DIM, PAGE = 2, 2, 20, 8, 3
 SELECTED = [[[0, 1, 9, 19], [0, 19]], [[2, 3, 4, 5, 19], [0, 6, 12, 19]]]
 CONTRACT = TensorContract(LAYERS, 4, HEADS, HEAD_DIM, DType.FLOAT32, DType.FLOAT32)
 
@@ -47,9 +51,9 @@ def pair():
     receiver.close()
 
 
-def sidecar(local: bool) -> tuple[Sidecar, torch.Tensor, torch.Tensor]:
+def sidecar(local: bool, code_bits: int = 0) -> tuple[Sidecar, torch.Tensor, torch.Tensor]:
     k, v = symbolic_kv(LAYERS, HEADS, TOKENS, HEAD_DIM)
-    summaries = summarize_pages(k, SELECTED, PAGE)
+    summaries = summarize_pages(k, SELECTED, PAGE, code_bits=code_bits)
     return Sidecar(summaries, gather_omitted(k, v, summaries) if local else None), k, v
 
 
@@ -66,13 +70,22 @@ def describe(sender: KVSender, address: str, car: Sidecar, view_k: torch.Tensor,
     return view, descriptor, lease, deadline
 
 
-@pytest.mark.parametrize("local", [False, True], ids=["remote", "local"])
-def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(pair, local: bool) -> None:
+@pytest.mark.parametrize(
+    ("local", "code_bits"),
+    [(False, 0), (True, 0), (False, 1), (True, 2), (True, 4), (False, 4)],
+    ids=["remote", "local", "remote-1bit", "local-2bit", "local-4bit", "remote-4bit"],
+)
+def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(
+    pair, local: bool, code_bits: int
+) -> None:
     receiver, sender = pair
-    car, k, v = sidecar(local)
+    car, k, v = sidecar(local, code_bits)
     view, descriptor, lease, deadline = describe(sender, receiver.address, car, k, v)
-    wire = descriptor_from_proto(descriptor_to_proto(descriptor))
+    message = descriptor_to_proto(descriptor)
+    assert ("row_codes" in [t.name for t in message.tensors]) == bool(code_bits)
+    wire = descriptor_from_proto(message)
     assert wire == descriptor and wire.nbytes == descriptor.nbytes
+    assert wire.sidecar is not None and wire.sidecar.code_bits == code_bits
 
     incoming = receiver.start_recv(wire, deadline)
     outgoing = sender.start_send(descriptor, lease, deadline)
@@ -89,6 +102,20 @@ def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(pair,
     summaries = got.summaries
     for name in ("page_min", "page_max", "page_first", "page_count", "page_offsets"):
         assert torch.equal(getattr(summaries, name), getattr(car.summaries, name)), name
+    assert summaries.code_bits == code_bits
+    if code_bits:
+        assert summaries.row_codes is not None and car.summaries.row_codes is not None
+        assert torch.equal(summaries.row_codes, car.summaries.row_codes)
+        # Independent of the codec: symbolic keys step by 10 a position inside a page, so
+        # every row's code is its rank in its page scaled to 2^b - 1 levels.
+        first = summaries.page_first.long()[summaries.row_page]
+        count = summaries.page_count.long()[summaries.row_page]
+        _, positions = summaries.rows()
+        rank = (positions - first).float() / (count - 1).clamp(min=1).float()
+        expected = torch.round(rank * (2**code_bits - 1))[:, None].expand(-1, HEAD_DIM)
+        assert torch.equal(unpack_codes(summaries.row_codes, code_bits, HEAD_DIM).float(), expected)
+    else:
+        assert summaries.row_codes is None
     if local:
         assert got.host_rows is not None
         segment, positions = summaries.rows()
@@ -105,6 +132,9 @@ def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(pair,
     assert moved == incoming.bytes_moved == descriptor.nbytes == ledger.traffic_bytes
     assert ledger.page_summary_bytes == descriptor.sidecar.page_summary_bytes > 0
     assert (ledger.host_tier_bytes > 0) == local
+    uncoded = summarize_pages(k, SELECTED, PAGE).nbytes
+    code_bytes = car.summaries.omitted_rows * HEAD_DIM * code_bits // 8
+    assert ledger.page_summary_bytes == uncoded + code_bytes
 
 
 def test_a_sidecar_that_is_not_the_announced_one_is_refused(pair) -> None:
@@ -125,14 +155,21 @@ def test_a_sidecar_that_is_not_the_announced_one_is_refused(pair) -> None:
         transfer.cancel("test over")
 
 
-def test_a_descriptor_with_summaries_needs_a_page_size() -> None:
-    car, k, v = sidecar(local=False)
+def unsent_descriptor(local: bool, code_bits: int = 0) -> tuple[Sidecar, TransferDescriptor]:
+    """A sidecar and a descriptor announcing it, on a route nobody listens on (never sent)."""
+    car, k, v = sidecar(local, code_bits)
     view = pack(k, v, SELECTED)
+    route = PairRoute("127.0.0.1:1234", "gloo", 7, "5" * 64)
     descriptor = TransferDescriptor(
-        transfer_id="t1", request_id="req-1", request_generation=1, state_generation=1, cache_generation=1,
-        receipt_digest="0" * 64, source_worker="prefill-x", route=PairRoute("127.0.0.1:1234", "gloo", 7, "5" * 64),
-        layout=ViewLayout.of(view), sidecar=SidecarLayout.of(car),
+        transfer_id="t1", request_id="req-1", request_generation=1, state_generation=1,
+        cache_generation=1, receipt_digest="0" * 64, source_worker="prefill-x", route=route,
+        layout=ViewLayout.of(view), sidecar=SidecarLayout.of(car, view.packed_v.dtype),
     )
+    return car, descriptor
+
+
+def test_a_descriptor_with_summaries_needs_a_page_size() -> None:
+    _car, descriptor = unsent_descriptor(local=False)
     message = descriptor_to_proto(descriptor)
     assert message.page_size == PAGE
     message.page_size = 0
@@ -144,3 +181,66 @@ def test_a_descriptor_with_summaries_needs_a_page_size() -> None:
     with pytest.raises(DescriptorInvalid) as truncated:
         descriptor_from_proto(message)
     assert truncated.value.field.startswith("tensors")
+
+
+@pytest.mark.parametrize(
+    ("reshape", "dtype", "field"),
+    [
+        (None, "int8", "tensors.row_codes.dtype"),
+        (lambda rows, width: [rows, 3], None, "tensors.row_codes.shape"),  # 3 bytes: no bit count
+        (lambda rows, width: [rows, width, 1], None, "tensors.row_codes.shape"),
+        (lambda rows, width: [rows + 1, width], None, "sidecar.coded_rows"),  # > host rows
+    ],
+    ids=["dtype", "width", "rank", "rows"],
+)
+def test_a_descriptor_whose_row_codes_are_not_codes_is_refused_naming_them(
+    reshape, dtype, field
+) -> None:
+    _car, descriptor = unsent_descriptor(local=True, code_bits=2)
+    message = descriptor_to_proto(descriptor)
+    assert descriptor_from_proto(message) == descriptor
+    spec = next(t for t in message.tensors if t.name == "row_codes")
+    if reshape is not None:
+        dims = reshape(*spec.shape)
+        del spec.shape[:]
+        spec.shape.extend(dims)
+    if dtype is not None:
+        spec.dtype = dtype
+    itemsize = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+    spec.nbytes = math.prod(spec.shape) * itemsize  # consistent, so only the codes' check refuses
+    with pytest.raises(DescriptorInvalid) as caught:
+        descriptor_from_proto(message)
+    assert caught.value.field == field
+
+
+def test_row_codes_the_descriptor_does_not_announce_are_refused(pair) -> None:
+    receiver, sender = pair
+    car, k, v = sidecar(local=False, code_bits=2)
+    _view, descriptor, lease, deadline = describe(sender, receiver.address, car, k, v)
+    transfer = sender.start_send(descriptor, lease, deadline)
+    try:
+        uncoded, _, _ = sidecar(local=False)
+        with pytest.raises(TransferMismatch) as missing:
+            transfer.send_sidecar(uncoded)  # no row_codes message
+        assert missing.value.field == "sidecar"
+        wider, _, _ = sidecar(local=False, code_bits=4)
+        with pytest.raises(TransferMismatch) as other_bits:
+            transfer.send_sidecar(wider)
+        assert other_bits.value.field == "code_bits"
+    finally:
+        transfer.cancel("test over")
+
+
+def test_received_codes_that_do_not_fit_the_pages_are_refused() -> None:
+    """The descriptor cannot know the remote summaries' row count; the received summaries do."""
+    car, descriptor = unsent_descriptor(local=False, code_bits=4)
+    layout = descriptor.sidecar
+    assert layout is not None
+    short = replace(layout, coded_rows=layout.coded_rows - 1)
+    buffers = {name: tensor.clone() for name, tensor in car.tensors().items()}
+    buffers["row_codes"] = buffers["row_codes"][:-1]
+    with pytest.raises(TransferMismatch) as caught:
+        sidecar_from_buffers(short, buffers, TransferKey("req-1", 1, 1, "t1"))
+    assert caught.value.field == "sidecar.row_codes"
+    whole = sidecar_from_buffers(layout, dict(car.tensors()), TransferKey("req-1", 1, 1, "t1"))
+    assert whole.summaries.code_bits == 4
