@@ -13,7 +13,8 @@ when and what to recall; this module plugs it into the worker.
     SuccessorPublisher   compare-and-publish of the successor state at the policy service
 
 Both remote calls run on the worker's event loop (gRPC aio and the policy client live
-there). Sessions recall with `WORKER_STRATEGY`: after the first step a fetch runs on the
+there). Sessions recall with `worker_strategy` (the codes ranking when the summaries carry
+row codes, else `WORKER_STRATEGY`): after the first step a fetch runs on the
 recall engine's fetch threads while the decode loop goes on (its rows join the next step;
 the fetches of a batch's requests overlap), and only the publisher is called from the decode
 loop thread; both wait with deadlines, so a prefill worker that is gone costs one recall
@@ -44,7 +45,7 @@ from services.kvpolicy.state import KVPolicyState
 from services.offload.errors import RecallUnavailable
 from services.offload.fetchers import LocalPageFetcher
 from services.offload.pages import PageRef, RecalledPage
-from services.offload.recall import WORKER_STRATEGY, PageFetcher, RecallSession
+from services.offload.recall import PageFetcher, RecallSession, worker_strategy
 from services.policy import PolicyClient, PolicyUnavailable, StaleGeneration, StatePublication
 from services.policy.types import Phase
 from services.rpc.kvrelay.v1 import offload_pb2_grpc
@@ -249,7 +250,7 @@ class RecallOpener:
                                       handoff.descriptor.trace_context)
         try:
             session = RecallSession(verified.manifest, sidecar.summaries, fetch, state=state,
-                                    on_successor=publisher, strategy=WORKER_STRATEGY)
+                                    on_successor=publisher, strategy=worker_strategy(sidecar.summaries))
         except KVPolicyError as exc:
             raise ViewRejected(f"no recall session: {exc.reason}", field=exc.field) from None
         if accepted.lease is not None:

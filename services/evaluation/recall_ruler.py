@@ -57,6 +57,8 @@ from services.model import DecodeCache, LoadedModel, SamplingParams, finish_reas
 from services.offload.fetchers import StoreFetcher
 from services.offload.plan import offload_plan
 from services.offload.recall import (
+    CODES_RECALL_KNOBS,
+    CODES_STRATEGY,
     DEFAULT_RECALL_KNOBS,
     DEFERRED_AFTER_FIRST,
     RecallKnobs,
@@ -107,6 +109,13 @@ class RecallVariant:
 TODAY = RecallVariant("today", DEFAULT_RECALL_KNOBS)
 DEFERRED = RecallVariant("deferred", DEFAULT_RECALL_KNOBS, DEFERRED_AFTER_FIRST)
 DEFERRED_K3 = RecallVariant("deferred-k3", DEFAULT_RECALL_KNOBS, RecallStrategy(recompute_steps=3))
+# Row codes (2 bits a key coordinate inside the page's box) travel with the summaries; pages
+# ranked by their rows' estimated logits, a step recalls only when some page's estimate
+# clears the floor, each ranked page brings its successor (16 pages a step at most: 8 ranked
+# and their successors), every second step evaluated (the successors cover the step between),
+# the cue step recomputed and later recalls deferred (what the decode worker runs for such a
+# manifest, `worker_strategy`). Chosen on prompts from `TUNE_SEED` (tuning.md, "Row codes").
+CODES = RecallVariant("codes", CODES_RECALL_KNOBS, CODES_STRATEGY)
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,7 @@ class RecallRulerConfig:
     prompts: int = 8
     budgets: tuple[float, ...] = (0.10, 0.25)
     tasks: tuple[Variant, ...] = TASKS
-    variants: tuple[RecallVariant, ...] = (TODAY, DEFERRED, DEFERRED_K3)
+    variants: tuple[RecallVariant, ...] = (TODAY, DEFERRED, DEFERRED_K3, CODES)
     presses: tuple[str, ...] = ("snapkv", "expected_attention")
     kvpress_lengths: tuple[int, ...] = (4096,)
     kvpress_prompts: int = 2  # the cell's first prompts (each press x budget is a prefill)
@@ -150,11 +159,10 @@ PRESETS: dict[str, RecallRulerConfig] = {
     "smoke": RecallRulerConfig(lengths=(256,), prompts=2, budgets=(0.25,),
                                tasks=TASKS[:1], presses=(), batch=2, filler_tokens=32),
     "full": RecallRulerConfig(),
-    # What the shared 2-core machine could afford for the issue's report (about a fifth of a
-    # core while other evaluations ran): 4K, the two needle tasks whose full cache answers,
-    # four prompts per cell, a batch of 8 filled with repeats, kvpress on one prompt per cell.
-    "shared-cpu": RecallRulerConfig(prompts=4, tasks=TASKS[:2], variants=(TODAY, DEFERRED),
-                                    kvpress_prompts=1),
+    # What the shared 2-core machine could afford for the issue's report: 4K, the three
+    # tasks, four prompts per cell, a batch of 8 filled with repeats, kvpress on one prompt per
+    # cell, the worker's strategy without codes and with them.
+    "shared-cpu": RecallRulerConfig(prompts=4, variants=(DEFERRED, CODES), kvpress_prompts=1),
 }
 
 

@@ -28,7 +28,7 @@ from services.gateway.validation import ManifestChoice
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract, default_manifests
 from services.kvpolicy.retention_manifests import retention_manifests
-from services.offload.recall import RecallKnobs, with_recall
+from services.offload.recall import CODES_RECALL_KNOBS, RecallKnobs, with_recall
 from services.policy import ManifestConflict, NotFound, PolicyClient, Registration
 from services.policy.manifests import ManifestCache
 from services.rpc.errors import InvalidArgument
@@ -43,16 +43,24 @@ log = logging.getLogger(__name__)
 # passphrase's first word and loses the rest); 8-row pages x 64 per step answered 5, recalling
 # 4.9% of the omitted rows (x 32: 3 of 6, 2.4%; x 16: 4 of 6, 1.2%).
 SERVED_RECALL_KNOBS = RecallKnobs(threshold=0.9, page_size=8, max_pages_per_step=64, cadence_steps=1)
+# `snapkv-recall-codes`: the same selection and store, with 2-bit row codes of every omitted
+# key in the summaries; the decode worker ranks pages by the rows' estimated logits and recalls
+# only when a page's estimate clears a floor (`services.offload.recall.CODES_STRATEGY`). Chosen
+# with `kvrelay eval recall --suite ruler` on the default model, tuning prompts only; on the
+# reported RULER prompts it closed the whole single-needle and multi-key gap at 4K
+# (docs/results/recall-smollm2/report.md).
+CODES_RECALL_POLICY = "snapkv-recall-codes"
 
 
 def served_manifests(served: TensorContract) -> dict[str, KVVisibilityPolicyManifest]:
     """The manifests every gateway registers for the served tensor contract: the runtime's
-    `default_manifests`, `snapkv-recall` and the decode-time retention policies
+    `default_manifests`, `snapkv-recall`, `snapkv-recall-codes` and the decode-time retention policies
     (`retention_manifests`: window, sinks + window at both position contracts, H2O,
     Scissorhands, Keyformer, SnapKV + H2O, 1,024 rows per owner)."""
     manifests = default_manifests(served)
     recall = with_recall(manifests["snapkv"], SERVED_RECALL_KNOBS)
-    return {**manifests, recall.name: recall, **retention_manifests(served)}
+    codes = with_recall(manifests["snapkv"], CODES_RECALL_KNOBS, name=CODES_RECALL_POLICY)
+    return {**manifests, recall.name: recall, codes.name: codes, **retention_manifests(served)}
 
 
 class UnknownPolicy(InvalidArgument):

@@ -38,6 +38,7 @@ where RoPE is the identity, so its query and key arrive unrotated).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -599,10 +600,12 @@ class DecodeCache(SlottedCache):
         back = -positions.to(keys.device, torch.long)
         return rotate(keys.float(), back, self._rotary).to(keys.dtype)
 
-    def _invalidate(self) -> None:
-        """Page tables changed: the device copies and the attention plans are stale."""
+    def _invalidate(self, layers: Sequence[int] | None = None) -> None:
+        """Page tables changed (in `layers`; None: any): the device copies and those layers'
+        attention plans are stale (a recall that adds rows to a few layers keeps the others')."""
         self._device_table = None
-        self._plans = [None] * len(self._plans)
+        for layer in range(len(self._plans)) if layers is None else layers:
+            self._plans[layer] = None
 
     def _plan(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedPlan:
         # Reused until `_invalidate`: between two page changes a step's row lands in a page the
@@ -666,7 +669,8 @@ class DecodeCache(SlottedCache):
         total = int(flat_counts.sum())
         if total == 0:
             return
-        self._invalidate()  # rows outside a step: the pages used change
+        # Rows outside a step: the pages used change, in the layers that got rows.
+        self._invalidate(torch.nonzero(counts.sum(dim=1))[:, 0].tolist())
         segment = torch.repeat_interleave(torch.arange(flat_counts.numel()), flat_counts)  # [R]
         first = torch.cumsum(flat_counts, 0) - flat_counts  # [S] first new row of each segment
         local = torch.arange(total) - first[segment]  # [R] index among the new rows
@@ -698,9 +702,11 @@ class DecodeCache(SlottedCache):
                                              (layers * region).tolist())
         except KVPoolExhausted as exc:
             raise KVPoolExhausted(exc.field, exc.reason, self.request_ids[slot]) from None
-        self._invalidate()
         if int((held + counts).max()) > self._table.shape[-1]:
             self._grow_table(int((held + counts).max()))
+            self._invalidate()  # every layer's table is a new, wider one
+        else:
+            self._invalidate(sorted(set(layers.tolist())))
         owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # [P]
         first = torch.cumsum(counts, 0) - counts
         column = held[owner] + torch.arange(ids.numel()) - first[owner]

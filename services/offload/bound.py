@@ -25,6 +25,15 @@ s * q . (min + max) / 2, the logit of the box's centre (no bound: a ranking only
 same summaries). On the real model it puts the needle's pages first where the bound put them
 hundreds deep (`docs/results/recall-smollm2/report.md`). `choose_pages` reads the
 ranking from `Ranking`; the trigger (threshold, full-recall gate) always reads the bound.
+
+Codes (`Ranking.CODES`, summaries with row codes: `recoverability.key_code_bits`). Neither
+box-level ranking finds every page the copying heads read. With a few-bit code of every
+omitted row's key coordinates inside its page's box, the decode worker estimates every
+omitted row's logit, `page_code_log_odds` turns them into each page's estimated share
+against the resident rows, and `choose_estimated` takes the best pages above a floor (a step
+whose queries look nowhere omitted recalls nothing: the estimate, unlike the bound, is close
+to the truth), each with the owner's next page. 2-bit codes cost d_h / 4 bytes a row on the
+wire, half what the fp16 min/max summaries of 8-row pages cost (2 x 2 d_h bytes a page).
 """
 
 from __future__ import annotations
@@ -111,6 +120,7 @@ class Ranking(StrEnum):
 
     BOUND = "bound"  # the page's bounded share of its head's mass (Quest)
     MIDPOINT = "midpoint"  # the midpoint estimate's log-odds against the resident rows
+    CODES = "codes"  # the rows' estimated logits (row codes) against the resident rows
 
 
 @dataclass(frozen=True)
@@ -147,9 +157,9 @@ class RecallChoice:
     """What one evaluated step recalls: flat page indices, best first."""
 
     pages: torch.Tensor  # [n] int64
-    triggered: bool  # some owner's bound exceeded the threshold
+    triggered: bool  # some owner's bound exceeded the threshold (codes: some page chosen)
     full_recall: bool  # the full-recall gate fired: every omitted page is chosen
-    max_mass_bound: float
+    max_mass_bound: float | None  # None: not computed (codes ranking without a gate)
 
     def page_refs(self, summaries: PageSummaries) -> tuple[PageRef, ...]:
         return tuple(summaries.page_ref(int(p)) for p in self.pages)
@@ -340,6 +350,113 @@ def choose_pages(
     return RecallChoice(
         pages=order[:take], triggered=bool(hot.any()), full_recall=False, max_mass_bound=worst
     )
+
+
+def page_code_log_odds(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    retained_lse: torch.Tensor,
+    head_to_owner: Sequence[int],
+    *,
+    live: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per page, log(estimated mass of its rows / resident mass): logsumexp over the page's
+    rows n of max over the reading heads h of s * q_h . k^_n - r_h, with k^_n the row's key as
+    its code places it (`PageSummaries.row_estimates`). An estimate, not a bound (the codes
+    round each coordinate to 2^b levels of its page's box). -inf for pages not `live`.
+    # [P_total] float64
+
+    Why: the Quest bound sits ~13 nats above a real model's true page logits and ranks the
+    needle's pages hundreds deep; the codes' estimates rank them first (1-bit codes already:
+    `docs/results/recall-smollm2/tuning.md`), and say how much a page would really add, so
+    they can also decide whether a step recalls at all (`RecallStrategy.min_estimate`).
+    """
+    owner_of_head = _check_query(summaries, query, head_to_owner)
+    scale = _scale(scale, summaries.head_dim)
+    r = _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))  # [L, H_q]
+    alive = _check_live(live, summaries.num_pages)
+    estimates = summaries.row_estimates  # [N, d_h] bfloat16
+    q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [L, H_q, d_h]
+    readers = _readers(owner_of_head, summaries.num_owners)  # [H_owner, G] head ids
+    grouped_q = q[:, readers].reshape(-1, readers.shape[1], q.shape[-1])  # [S, G, d_h]
+    grouped_r = r[:, readers].reshape(-1, readers.shape[1]).float()  # [S, G]
+    counts = _segment_rows(summaries)  # [S] rows per (layer, owner)
+    if counts.numel() and bool((counts == counts[0]).all()):  # uniform budgets: one product
+        n = int(counts[0])
+        logits = torch.bmm(estimates.view(-1, n, estimates.shape[1]),
+                           grouped_q.to(estimates.dtype).mT)  # [S, n, G]
+        z = (logits.float() - grouped_r[:, None, :]).reshape(-1, readers.shape[1])  # [N, G]
+    else:
+        z = torch.empty((estimates.shape[0], readers.shape[1]), dtype=torch.float32)
+        begin = 0
+        for segment, count in enumerate(counts.tolist()):
+            rows = estimates[begin:begin + count]
+            z[begin:begin + count] = (rows @ grouped_q[segment].to(rows.dtype).T).float() \
+                - grouped_r[segment]
+            begin += count
+    # Per row its most attentive reader first, then a log-sum-exp over the page's rows: at
+    # least the largest head's estimate and at most log(G) above it, a third of the work of a
+    # sum per head (this runs at every evaluated step over every omitted row).
+    best = z.amax(dim=1)  # [N]
+    page = summaries.row_page  # [N]
+    empty = torch.full((summaries.num_pages,), -math.inf)
+    peak = empty.scatter_reduce(0, page, best, "amax", include_self=True)  # [P]
+    finite = torch.where(torch.isfinite(peak), peak, 0.0)
+    total = torch.zeros_like(peak).scatter_add_(0, page, torch.exp(best - finite[page]))
+    odds = torch.where(torch.isfinite(peak), finite + total.log(), -math.inf)
+    return odds.double().masked_fill_(~alive, -math.inf)
+
+
+def _segment_rows(summaries: PageSummaries) -> torch.Tensor:
+    """Paged rows per (layer, owner) segment, flat.  # [L * H_owner] int64"""
+    rows = torch.zeros(summaries.num_layers * summaries.num_owners, dtype=torch.long)
+    return rows.index_add_(0, summaries.page_segment, summaries.page_count.long())
+
+
+def _readers(owner_of_head: torch.Tensor, owners: int) -> torch.Tensor:
+    """The query heads reading each owner, `[H_owner, G]` (every owner is read by as many
+    heads under GQA; fewer for some owner is not a layout a checkpoint has)."""
+    groups = [torch.nonzero(owner_of_head == o)[:, 0] for o in range(owners)]
+    if len({g.numel() for g in groups}) != 1:
+        raise BoundInputInvalid("head_to_owner", "owners are read by different numbers of heads")
+    return torch.stack(groups)
+
+
+def choose_estimated(
+    page_log_odds: torch.Tensor,
+    live: torch.Tensor,
+    max_pages: int,
+    min_log_odds: float | None,
+    page_segment: torch.Tensor,
+    successors: int = 0,
+) -> torch.Tensor:
+    """At most `max_pages` pages, best estimate first (ties: the lower index), none below
+    `min_log_odds`; each ranked page is followed by its owner's next `successors` live pages
+    (a copied span is read forward: the rows after a recalled page are the next steps'),
+    within the same cap.  # [n] int64"""
+    candidate = live & torch.isfinite(page_log_odds)
+    if min_log_odds is not None:
+        candidate &= page_log_odds >= min_log_odds
+    ranked = page_log_odds.masked_fill(~candidate, -math.inf)
+    take = min(max_pages, int(candidate.sum()))
+    order = torch.sort(ranked, descending=True, stable=True).indices[:take].tolist()
+    if not successors:
+        return torch.tensor(order, dtype=torch.long)
+    chosen: dict[int, None] = {}
+    segment, alive, total = page_segment.tolist(), live.tolist(), live.numel()
+    for page in order:
+        chosen.setdefault(page)
+        found, after = 0, page + 1
+        while found < successors and after < total and segment[after] == segment[page] \
+                and after <= page + 4 * successors:
+            if alive[after] and after not in chosen:
+                chosen[after] = None
+                found += 1
+            after += 1
+        if len(chosen) >= max_pages:
+            break
+    return torch.tensor(list(chosen)[:max_pages], dtype=torch.long)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:

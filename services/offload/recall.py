@@ -84,7 +84,9 @@ from services.offload.bound import (
     RecallChoice,
     RecallPolicy,
     bound_omitted_mass,
+    choose_estimated,
     choose_pages,
+    page_code_log_odds,
 )
 from services.offload.errors import (
     BoundInputInvalid,
@@ -209,15 +211,23 @@ class RecallStrategy:
     # Pages per deferred step at most (None: the contract's `max_pages_per_step`; never
     # more): a burst at the recomputed first steps, then a trickle.
     deferred_pages: int | None = None
-    # How candidate pages are ordered, and (midpoint only) the estimate's log-odds floor
+    # How candidate pages are ordered, and (midpoint, codes) the estimate's log-odds floor
     # below which a page is not fetched (steps whose queries look nowhere omitted fetch
     # nothing).
     ranking: Ranking = Ranking.BOUND
     min_estimate: float | None = None
+    # Codes ranking: each chosen page brings its owner's next `successor_pages` live pages
+    # too (a copied span is read forward, one row a step: deferred rows that arrive a step
+    # late are then already there when the step that reads them runs).
+    successor_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.min_estimate is not None and self.ranking is not Ranking.MIDPOINT:
-            raise BoundInputInvalid("min_estimate", "only the midpoint ranking reads it")
+        if self.min_estimate is not None and self.ranking is Ranking.BOUND:
+            raise BoundInputInvalid("min_estimate", "only the midpoint and codes rankings read it")
+        if self.successor_pages and self.ranking is not Ranking.CODES:
+            raise BoundInputInvalid("successor_pages", "only the codes ranking reads it")
+        if self.successor_pages < 0:
+            raise BoundInputInvalid("successor_pages", f"must be >= 0, got {self.successor_pages}")
         if self.recompute_steps is not None and self.recompute_steps < 0:
             raise BoundInputInvalid(
                 "recompute_steps", f"must be >= 0 or None, got {self.recompute_steps}"
@@ -235,8 +245,22 @@ RECOMPUTE_ALWAYS = RecallStrategy()
 # The first step (the one that reads the cue) recomputes, every later recall is fetched in
 # the background and applied a step later.
 DEFERRED_AFTER_FIRST = RecallStrategy(recompute_steps=1)
+# With row codes: pages ranked by their rows' estimated logits, a step recalls only when a
+# page's estimate clears the floor (log-odds -2: a page estimated at 13.5% of the resident
+# mass), and each ranked page brings its successor. Tuned on prompts from TUNE_SEED
+# (docs/results/recall-smollm2/tuning.md, "Row codes").
+CODES_STRATEGY = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_estimate=-2.0,
+                                successor_pages=1)
 # What the decode worker runs (`decode_worker.recall`): see docs/results/recall-smollm2.
 WORKER_STRATEGY = DEFERRED_AFTER_FIRST
+
+
+def worker_strategy(summaries: PageSummaries | None) -> RecallStrategy:
+    """The decode worker's strategy for a session: the codes ranking when its summaries
+    carry row codes (the manifest asked for them), else `WORKER_STRATEGY`."""
+    if summaries is not None and summaries.row_codes is not None:
+        return CODES_STRATEGY
+    return WORKER_STRATEGY
 _POOL_LOCK = threading.Lock()
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
@@ -314,6 +338,11 @@ class RecallSession:
         pages = summaries.num_pages if summaries is not None else 0
         self._live = torch.ones(pages, dtype=torch.bool)  # [P_total], pages still omitted
         _check_session(manifest, summaries, fetch, state)
+        if strategy.ranking is Ranking.CODES and summaries is not None and summaries.row_codes is None:
+            raise BoundInputInvalid("ranking", "the codes ranking needs summaries with row codes "
+                                    "(recoverability.key_code_bits)")
+        if strategy.ranking is Ranking.CODES and summaries is not None:
+            _ = summaries.row_estimates  # built at admission, not at the cue step
 
     @property
     def enabled(self) -> bool:
@@ -439,6 +468,8 @@ class RecallSession:
         """Pages to recall given one step's queries `[L, H_q, d_h]` and r `[L, H_q]`."""
         assert self.policy is not None and self.summaries is not None
         strategy = self.strategy
+        if strategy.ranking is Ranking.CODES:
+            return self._choose_by_codes(query, lse, head_to_owner, scale)
         midpoint = strategy.ranking is Ranking.MIDPOINT
         bound = bound_omitted_mass(
             self.summaries, query, lse, head_to_owner, live=self._live, scale=scale,
@@ -448,6 +479,33 @@ class RecallSession:
         if cap is not None and self.defers() and cap < policy.max_pages_per_step:
             policy = replace(policy, max_pages_per_step=cap)
         return choose_pages(bound, policy, strategy.ranking, strategy.min_estimate)
+
+    def _choose_by_codes(
+        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: Sequence[int], scale: float
+    ) -> RecallChoice:
+        """The codes ranking: pages by estimated log-odds (`page_code_log_odds`) above the
+        strategy's floor, plus their successors. The page bound is computed only for the
+        contract's full-recall gate; the contract's threshold (a bound) is not read: a step
+        recalls when some page's estimate clears `min_estimate`."""
+        assert self.policy is not None and self.summaries is not None
+        policy, strategy = self.policy, self.strategy
+        worst: float | None = None
+        if policy.full_recall_threshold is not None:
+            bound = bound_omitted_mass(self.summaries, query, lse, head_to_owner, live=self._live,
+                                       scale=scale)
+            worst = bound.max_mass_bound
+            choice = choose_pages(bound, policy)
+            if choice.full_recall:
+                return choice
+        cap = policy.max_pages_per_step
+        if strategy.deferred_pages is not None and self.defers():
+            cap = min(cap, strategy.deferred_pages)
+        odds = page_code_log_odds(self.summaries, query, lse, head_to_owner, live=self._live,
+                                  scale=scale)
+        pages = choose_estimated(odds, self._live, cap, strategy.min_estimate,
+                                 self.summaries.page_segment, strategy.successor_pages)
+        return RecallChoice(pages=pages, triggered=bool(pages.numel()), full_recall=False,
+                            max_mass_bound=worst)
 
     def plan(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache) -> RecallPlan:
         """Step 2: bound and choose for the step just run, from its captured queries
@@ -658,6 +716,7 @@ class RecallKnobs:
     timeout_ms: int = 200
     fallback: TimeoutFallback = TimeoutFallback.CONTINUE_LOSSY
     full_recall_gate: float | None = None
+    code_bits: int | None = None  # row codes with the summaries (`key_code_bits`)
 
     def contract(self, mode: RecoverabilityMode) -> RecoverabilityContract:
         """A recallable contract with these knobs (validated by the manifest's rules)."""
@@ -670,6 +729,7 @@ class RecallKnobs:
             recall_timeout_ms=self.timeout_ms,
             timeout_fallback=self.fallback,
             full_recall_on_quality_gate=self.full_recall_gate,
+            key_code_bits=self.code_bits,
         )
 
 
@@ -685,6 +745,13 @@ class RecallKnobs:
 DEFAULT_RECALL_KNOBS = RecallKnobs(
     threshold=0.99, page_size=8, max_pages_per_step=8, cadence_steps=1
 )
+# With row codes (`CODES_STRATEGY` ranks by them): 2-bit codes, 16 pages a step at most (8
+# ranked, each with its successor), every second step evaluated. Chosen with
+# `kvrelay eval recall --suite ruler` on SmolLM2-135M-Instruct, tuning prompts only
+# (docs/results/recall-smollm2/tuning.md, "Row codes"). The threshold is not read by the codes
+# ranking (its floor is the strategy's `min_estimate`); it stays the default's.
+CODES_RECALL_KNOBS = replace(DEFAULT_RECALL_KNOBS, code_bits=2, max_pages_per_step=16,
+                             cadence_steps=2)
 
 
 def with_recall(
@@ -692,10 +759,11 @@ def with_recall(
     knobs: RecallKnobs = DEFAULT_RECALL_KNOBS,
     *,
     mode: RecoverabilityMode = RecoverabilityMode.RECALLABLE_REMOTE,
+    name: str | None = None,
 ) -> KVVisibilityPolicyManifest:
-    """`manifest` with recallable omitted rows: a new manifest (and identity) named
-    `<name>-recall`."""
-    name = f"{manifest.name}-recall"
+    """`manifest` with recallable omitted rows: a new manifest (and identity) named `name`,
+    by default `<name>-recall`."""
+    name = name or f"{manifest.name}-recall"
     return replace(
         manifest,
         name=name,

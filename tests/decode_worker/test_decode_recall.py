@@ -36,7 +36,7 @@ from services.kvpolicy.manifest import (
 from services.kvpolicy.receipt import Receipt
 from services.model import LoadedModel, generate
 from services.offload.merge import recall_successor
-from services.offload.pages import gather_omitted, summarize_pages
+from services.offload.plan import offload_plan
 from services.offload.recall import RecallKnobs, with_recall
 from services.policy import Phase, PolicyClient, StaleGeneration, StatePublication
 from services.rpc.errors import error_detail
@@ -51,11 +51,14 @@ DEAD_OFFLOAD = "127.0.0.1:9"  # nothing listens there: the offload tier is gone
 
 
 def recall_manifest(base: KVVisibilityPolicyManifest, mode: RecoverabilityMode, fallback: TimeoutFallback,
-                    name: str, gate: float | None = 1e-6) -> KVVisibilityPolicyManifest:
+                    name: str, gate: float | None = 1e-6,
+                    code_bits: int | None = None) -> KVVisibilityPolicyManifest:
     knobs = RecallKnobs(threshold=0.0, page_size=PAGE, max_pages_per_step=64, cadence_steps=1, timeout_ms=2000,
                         fallback=fallback, full_recall_gate=gate)
     manifest = with_recall(base, knobs, mode=mode)
-    return dataclasses.replace(manifest, name=name, policy_manifest_id=f"{name}@1")
+    contract = dataclasses.replace(manifest.recoverability, key_code_bits=code_bits)
+    return dataclasses.replace(manifest, name=name, policy_manifest_id=f"{name}@1",
+                               recoverability=contract)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,7 @@ def manifests(loaded: LoadedModel) -> dict[str, KVVisibilityPolicyManifest]:
     return {
         "snapkv": snapkv,
         "local": recall_manifest(snapkv, local, lossy, "snapkv-local"),
+        "local-coded": recall_manifest(snapkv, local, lossy, "snapkv-local-coded", code_bits=2),
         "remote-lossy": recall_manifest(snapkv, remote, lossy, "snapkv-remote-lossy", gate=None),
         "remote-fail": recall_manifest(snapkv, remote, fail, "snapkv-remote-fail", gate=None),
     }
@@ -92,9 +96,13 @@ async def begin_and_publish(policy: PolicyClient, manifest: KVVisibilityPolicyMa
 
 
 def sidecar_of(packed: PackedState, local: bool) -> Sidecar:
+    """What the prefill worker's offload stage sends for `packed` (row codes when its manifest
+    asks for them)."""
     result = packed.prefilled.result
-    summaries = summarize_pages(result.source_k, packed.state.selected_positions, PAGE)
-    return Sidecar(summaries, gather_omitted(result.source_k, result.source_v, summaries) if local else None)
+    positions = packed.state.selected_positions
+    plan = offload_plan(packed.manifest, result.source_k, result.source_v, positions)
+    assert plan is not None
+    return Sidecar(plan.summaries, plan.rows if local else None)
 
 
 async def send_recallable(stub, sender: KVSender, worker, packed: PackedState, car: Sidecar | None, *,
@@ -136,12 +144,14 @@ async def collect(stub, sent: Sent) -> tuple[list[int], decode_pb2.DecodeSummary
     return tokens, summary
 
 
+@pytest.mark.parametrize("name", ["local", "local-coded"])
 async def test_recallable_local_recalls_every_page_and_decodes_like_the_full_cache(
-    stub, worker, sender, policy, loaded, manifests
+    stub, worker, sender, policy, loaded, manifests, name: str
 ) -> None:
     prompt = prompt_ids(40, seed=11)
-    packed = await begin_and_publish(policy, manifests["local"], prompt, loaded)
+    packed = await begin_and_publish(policy, manifests[name], prompt, loaded)
     car = sidecar_of(packed, local=True)
+    assert (car.summaries.row_codes is not None) == (name == "local-coded")
     sent = await send_recallable(stub, sender, worker, packed, car, recoverability="recallable_local")
     tokens, summary = await collect(stub, sent)
 
@@ -209,6 +219,24 @@ async def test_host_rows_that_do_not_match_their_summaries_are_rejected(
         await collect(stub, sent)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error_detail(caught.value).field == "sidecar.omitted_k"  # type: ignore[union-attr]
+
+
+async def test_row_codes_that_do_not_match_the_host_rows_are_rejected(
+    stub, worker, sender, policy, loaded, manifests
+) -> None:
+    prompt = prompt_ids(30, seed=16)
+    packed = await begin_and_publish(policy, manifests["local-coded"], prompt, loaded)
+    car = sidecar_of(packed, local=True)
+    assert car.summaries.row_codes is not None
+    shifted = torch.roll(car.summaries.row_codes, 1, dims=0)  # every row's codes on the next row
+    assert not torch.equal(shifted, car.summaries.row_codes)
+    forged = dataclasses.replace(car.summaries, row_codes=shifted)
+    sent = await send_recallable(stub, sender, worker, packed, Sidecar(forged, car.host_rows),
+                                 recoverability="recallable_local")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(stub, sent)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_detail(caught.value).field == "sidecar.row_codes"
 
 
 async def test_a_successor_built_on_a_superseded_state_is_refused_by_the_fence(policy, loaded, manifests) -> None:

@@ -87,3 +87,34 @@ def test_each_recoverability_mode_through_the_gateway(stack: UpStack, loaded: Lo
     assert (summary.generations.state_generation, summary.generations.parent_state_generation) == (2, 1)
     fence = fence_of(stack.policy_address, request_id)
     assert fence.state_generation == 2 and fence.request_generation == summary.generations.request_generation
+
+
+def test_row_codes_travel_and_rank_through_the_gateway(stack: UpStack, loaded: LoadedModel) -> None:
+    """A remote-recall manifest with 2-bit row codes: the codes travel with the summaries (the
+    ledger counts them), the decode worker recalls with the codes ranking (its full-recall gate
+    still reads the bound: every omitted row comes back, the answer is the full cache's), and the
+    served `snapkv-recall-codes` policy is registered by default and decodes without fallbacks."""
+    coded = dataclasses.replace(KNOBS, code_bits=2)
+    manifest = with_recall(default_manifests(loaded.tensor_contract)["snapkv"], coded,
+                           name="snapkv-codes-e2e")
+    plain = recall_manifest(loaded, RecoverabilityMode.RECALLABLE_REMOTE)
+    asyncio.run(register(stack.policy_address, [manifest, plain]))
+    ids = needle_ids(loaded, 300, 31)
+    runs = {}
+    with GatewayClient(stack.gateway_address, timeout_s=120) as client:
+        for policy in (manifest.name, plain.name, "snapkv-recall-codes"):
+            runs[policy] = client.generate(generate_request(
+                ids, policy=policy, max_tokens=MAX_TOKENS, detokenize=False, request_id=f"e2e-codes-{policy}"))
+    head_dim = loaded.tensor_contract.head_dim
+    for policy, result in runs.items():
+        summary, ledger = result.summary, result.summary.ledger
+        assert list(summary.fallbacks) == [], policy
+        metadata = ledger.position_map_bytes + ledger.row_offsets_bytes + ledger.page_summary_bytes
+        assert summary.bytes_moved == ledger.visible_payload_bytes + metadata, policy
+    coded_run, plain_run = runs[manifest.name], runs[plain.name]
+    assert list(coded_run.token_ids) == generate(loaded, ids, max_new_tokens=MAX_TOKENS)
+    assert coded_run.summary.recalled_rows == coded_run.summary.omitted_rows > 0
+    codes_bytes = coded_run.summary.omitted_rows * head_dim * 2 // 8
+    assert coded_run.summary.ledger.page_summary_bytes == plain_run.summary.ledger.page_summary_bytes + codes_bytes
+    served = runs["snapkv-recall-codes"].summary
+    assert served.ledger.page_summary_bytes >= served.omitted_rows * head_dim * 2 // 8 > 0

@@ -1,0 +1,131 @@
+"""Row codes in page summaries and the codes ranking, against brute force."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from services.offload.bound import choose_estimated, page_code_log_odds
+from services.offload.errors import BoundInputInvalid, SummaryInvalid
+from services.offload.pages import PageSummaries, encode_codes, summarize_pages, unpack_codes
+from services.offload.recall import CODES_STRATEGY, RecallStrategy, worker_strategy
+
+torch.set_num_threads(1)
+
+
+def _case(seed: int, *, uneven: bool) -> tuple[torch.Tensor, list[list[list[int]]]]:
+    """Random keys [L=3, H_kv=2, T=40, d_h=16] and a selection (equal counts per owner, or not)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(3, 2, 40, 16, generator=gen) * 2.0
+    rng = random.Random(seed)
+    selected = []
+    for _layer in range(3):
+        per_owner = []
+        for _owner in range(2):
+            count = rng.randint(4, 20) if uneven else 10
+            per_owner.append(sorted(rng.sample(range(40), count)))
+        selected.append(per_owner)
+    return keys, selected
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_codes_round_trip_and_bound_each_coordinate_by_its_page_box(bits: int) -> None:
+    keys, selected = _case(1, uneven=True)
+    pages = summarize_pages(keys, selected, 4, code_bits=bits)
+    segment, position = pages.rows()
+    owners = pages.num_owners
+    rows = keys[segment // owners, segment % owners, position]  # [N, d_h], page after page
+    assert pages.row_codes is not None
+    assert tuple(pages.row_codes.shape) == (rows.shape[0], 16 * bits // 8)
+    codes = unpack_codes(pages.row_codes, bits, 16)
+    assert int(codes.max()) <= 2**bits - 1
+    low, high = pages.page_min.float()[pages.row_page], pages.page_max.float()[pages.row_page]
+    assert bool(((rows >= low) & (rows <= high)).all())
+    # Each estimate is the nearest of the 2^b levels of its box: within half a level.
+    estimates = pages.row_estimates.float()
+    step = (high - low) / (2**bits - 1)
+    slack = 0.5 * step + 0.01 * (high.abs() + low.abs() + 1)  # bfloat16 rounding of the table
+    assert bool(((estimates - rows).abs() <= slack).all())
+    # Encoding is exactly the packed codes.
+    assert torch.equal(encode_codes(rows, low, high, bits), pages.row_codes)
+    # The codes' bytes are part of what travels.
+    plain = summarize_pages(keys, selected, 4)
+    assert pages.nbytes == plain.nbytes + pages.row_codes.numel()
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_page_log_odds_equal_brute_force_over_the_estimates(uneven: bool) -> None:
+    keys, selected = _case(2, uneven=uneven)
+    pages = summarize_pages(keys, selected, 4, code_bits=2)
+    head_to_owner = [0, 0, 1, 1]  # GQA: 4 query heads on 2 K/V heads
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(3, 4, 16, generator=gen)
+    lse = torch.randn(3, 4, generator=gen).double()
+    live = torch.rand(pages.num_pages, generator=gen) > 0.3
+    scale = 0.25
+    got = page_code_log_odds(pages, query, lse, head_to_owner, live=live, scale=scale)
+    estimates = pages.row_estimates.double()
+    segment, _ = pages.rows()
+    expected = torch.full((pages.num_pages,), -math.inf, dtype=torch.float64)
+    for page in range(pages.num_pages):
+        if not live[page]:
+            continue
+        rows = torch.nonzero(pages.row_page == page)[:, 0]
+        layer, owner = divmod(int(segment[rows[0]]), pages.num_owners)
+        heads = [h for h, o in enumerate(head_to_owner) if o == owner]
+        per_head = torch.stack([estimates[rows] @ query[layer, h].double() * scale - lse[layer, h]
+                                for h in heads])  # [G, n]
+        expected[page] = torch.logsumexp(per_head.amax(dim=0), 0)
+    assert torch.allclose(got, expected, atol=2e-2, rtol=0)  # bfloat16 products
+    assert bool(torch.isinf(got[~live]).all())
+
+
+def test_choose_estimated_ranks_floors_caps_and_adds_successors() -> None:
+    odds = torch.tensor([0.5, -3.0, 2.0, -1.0, 1.0, -9.0], dtype=torch.float64)
+    segment = torch.tensor([0, 0, 0, 1, 1, 1])
+    live = torch.tensor([True, True, True, True, False, True])
+    assert choose_estimated(odds, live, 3, None, segment).tolist() == [2, 0, 3]
+    assert choose_estimated(odds, live, 6, -2.0, segment).tolist() == [2, 0, 3]
+    assert choose_estimated(odds, live, 6, 5.0, segment).tolist() == []
+    # Successors: the owner's next live pages, never another owner's, within the cap.
+    assert choose_estimated(odds, live, 6, None, segment, successors=1).tolist() == [2, 0, 1, 3, 5]
+    assert choose_estimated(odds, live, 3, None, segment, successors=1).tolist() == [2, 0, 1]
+
+
+def test_summaries_refuse_inconsistent_codes() -> None:
+    keys, selected = _case(4, uneven=False)
+    pages = summarize_pages(keys, selected, 4, code_bits=2)
+    fields = dict(page_size=4, page_min=pages.page_min, page_max=pages.page_max,
+                  page_first=pages.page_first, page_count=pages.page_count,
+                  page_offsets=pages.page_offsets)
+    assert pages.row_codes is not None
+    with pytest.raises(SummaryInvalid) as missing:
+        PageSummaries(**fields, code_bits=2)
+    assert missing.value.field == "row_codes"
+    with pytest.raises(SummaryInvalid) as stray:
+        PageSummaries(**fields, row_codes=pages.row_codes)
+    assert stray.value.field == "row_codes"
+    with pytest.raises(SummaryInvalid) as shape:
+        PageSummaries(**fields, code_bits=2, row_codes=pages.row_codes[1:])
+    assert shape.value.field == "row_codes"
+    with pytest.raises(SummaryInvalid) as bits:
+        PageSummaries(**fields, code_bits=3, row_codes=pages.row_codes)
+    assert bits.value.field == "code_bits"
+    with pytest.raises(SummaryInvalid):
+        summarize_pages(keys, selected, 4, code_bits=8)
+    with pytest.raises(SummaryInvalid) as plain:
+        _ = summarize_pages(keys, selected, 4).row_estimates
+    assert plain.value.field == "row_codes"
+
+
+def test_the_codes_strategy_needs_codes_and_the_worker_picks_it_only_with_them() -> None:
+    keys, selected = _case(5, uneven=False)
+    assert worker_strategy(summarize_pages(keys, selected, 4, code_bits=1)) is CODES_STRATEGY
+    assert worker_strategy(summarize_pages(keys, selected, 4)) is not CODES_STRATEGY
+    assert worker_strategy(None) is not CODES_STRATEGY
+    with pytest.raises(BoundInputInvalid) as wrong:
+        RecallStrategy(successor_pages=1)
+    assert wrong.value.field == "successor_pages"
