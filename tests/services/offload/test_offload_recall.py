@@ -112,7 +112,8 @@ def compress(
     packed = compress_core(manifest, result, StateIdentity("req", 1))
     view, state = packed.view, packed.state
     selected = state.selected_positions
-    summaries = summarize_pages(result.source_k, selected, knobs.page_size)
+    summaries = summarize_pages(result.source_k, selected, knobs.page_size,
+                                code_bits=knobs.code_bits or 0)
     rows = gather_omitted(result.source_k, result.source_v, summaries)
     first = int(result.logits.argmax())
     return Compressed(manifest, result, selected, view, summaries, rows, state, first)
@@ -149,8 +150,10 @@ class FailingFetcher:
         return self.inner(refs, timeout_s)
 
 
-def view_cache(model: CausalLM, compressed: Compressed, request_id: str = "req") -> DecodeCache:
-    cache = DecodeCache(model.config, torch.float32, row_capacity=8)
+def view_cache(model: CausalLM, compressed: Compressed, request_id: str = "req",
+               page_rows: int | None = None) -> DecodeCache:
+    extra = {} if page_rows is None else {"page_rows": page_rows}
+    cache = DecodeCache(model.config, torch.float32, row_capacity=8, **extra)
     cache.admit_view(request_id, compressed.view, frontier=PROMPT)
     return cache
 
@@ -338,6 +341,40 @@ def test_partial_recall_steps_equal_dense_masked_attention_over_the_new_visible_
         token = int(logits.argmax())
     assert [len(refs) for refs in fetch.calls] == [len(o.pages) for o in outcomes]
     assert session.recalled_rows == sum(o.rows for o in outcomes)
+
+
+def test_codes_ranked_recalls_equal_dense_masked_attention_and_keep_the_page_cap(
+    model: CausalLM,
+) -> None:
+    """The codes ranking (pages and their successors) recalls only rows that then decode
+    exactly as dense masked attention over the new visible set, at most the cap a step, and
+    nothing below its floor."""
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=4, cadence_steps=1,
+                        code_bits=2)
+    compressed = compress(model, knobs, seed=2)
+    assert compressed.summaries.row_codes is not None
+    strategy = RecallStrategy(ranking=Ranking.CODES, successor_pages=1)
+    session = RecallSession(compressed.manifest, compressed.summaries, StoreFetcher(compressed.rows),
+                            state=compressed.state, strategy=strategy)
+    # 2-row cache pages: a recall opens new pages in the layers it touches and only in those
+    # (each layer's attention plan is rebuilt only when that layer changed).
+    ours, outcomes = greedy_with_recall(
+        model, view_cache(model, compressed, page_rows=2), session, compressed.first_token
+    )
+    reference = MaskedDense(model, compressed)
+    token = compressed.first_token
+    assert any(len({ref.layer for ref in o.pages}) < model.config.num_layers for o in outcomes)
+    for logits, outcome in zip(ours, outcomes, strict=True):
+        assert outcome.status is RecallStatus.RECALLED and 0 < len(outcome.pages) <= 4
+        reference.reveal(outcome.pages, compressed.summaries)
+        torch.testing.assert_close(logits, reference.step(token), atol=ATOL, rtol=0)
+        token = int(logits.argmax())
+    # A floor no page's estimate reaches: evaluated, nothing fetched.
+    high = RecallStrategy(ranking=Ranking.CODES, min_estimate=50.0)
+    quiet = RecallSession(compressed.manifest, compressed.summaries, StoreFetcher(compressed.rows),
+                          state=compressed.state, strategy=high)
+    _, none = greedy_with_recall(model, view_cache(model, compressed), quiet, compressed.first_token)
+    assert all(o.status is RecallStatus.BELOW_THRESHOLD for o in none)
 
 
 def test_cadence_evaluates_every_nth_step_and_respects_the_page_limit(model: CausalLM) -> None:
@@ -596,6 +633,33 @@ def test_deferred_rows_answer_the_next_step_without_recomputing(model: CausalLM)
         token = int(step.logits[0].argmax())
     assert all(name.startswith("recall") for name in fetch.threads)  # never the decode thread
     assert session.pending
+
+
+def test_deferred_codes_recalls_open_pages_in_some_layers_and_equal_dense_attention(
+    model: CausalLM,
+) -> None:
+    """Deferred merges (no undo between them) into 2-row cache pages open new pages in the
+    layers they touch only; every step still equals dense masked attention, so each touched
+    layer's attention plan was rebuilt and the others' were rightly kept."""
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=3, cadence_steps=1,
+                        code_bits=2)
+    compressed = compress(model, knobs, seed=3)
+    strategy = RecallStrategy(recompute_steps=0, ranking=Ranking.CODES, successor_pages=1)
+    session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+    cache = view_cache(model, compressed, page_rows=2)
+    reference = MaskedDense(model, compressed)
+    token, asked, touched = compressed.first_token, (), []
+    for index in range(STEPS):
+        step = decode_with_recall(model, cache, [token], {"req": session})
+        outcome = step.outcomes["req"]
+        if index:
+            assert outcome.pages == asked
+            reference.reveal(outcome.pages, compressed.summaries)
+            touched.append({ref.layer for ref in outcome.pages})
+        asked = outcome.fetching
+        torch.testing.assert_close(step.logits[0], reference.step(token), atol=ATOL, rtol=0)
+        token = int(step.logits[0].argmax())
+    assert any(0 < len(layers) < model.config.num_layers for layers in touched)
 
 
 def test_a_deferred_successor_names_the_cache_once_its_rows_are_in(model: CausalLM) -> None:
