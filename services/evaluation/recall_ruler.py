@@ -109,7 +109,7 @@ class RecallVariant:
 TODAY = RecallVariant("today", DEFAULT_RECALL_KNOBS)
 DEFERRED = RecallVariant("deferred", DEFAULT_RECALL_KNOBS, DEFERRED_AFTER_FIRST)
 DEFERRED_K3 = RecallVariant("deferred-k3", DEFAULT_RECALL_KNOBS, RecallStrategy(recompute_steps=3))
-# Row codes (2 bits a key coordinate inside the page's box) travel with the summaries; pages
+# Row codes (4 bits a key coordinate inside the page's box) travel with the summaries; pages
 # ranked by their rows' estimated logits, a step recalls only when some page's estimate
 # clears the floor, each ranked page brings its successor (16 pages a step at most: 8 ranked
 # and their successors), every second step evaluated (the successors cover the step between),

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # passphrase's first word and loses the rest); 8-row pages x 64 per step answered 5, recalling
 # 4.9% of the omitted rows (x 32: 3 of 6, 2.4%; x 16: 4 of 6, 1.2%).
 SERVED_RECALL_KNOBS = RecallKnobs(threshold=0.9, page_size=8, max_pages_per_step=64, cadence_steps=1)
-# `snapkv-recall-codes`: the same selection and store, with 2-bit row codes of every omitted
+# `snapkv-recall-codes`: the same selection and store, with 4-bit row codes of every omitted
 # key in the summaries; the decode worker ranks pages by the rows' estimated logits and recalls
 # only when a page's estimate clears a floor (`services.offload.recall.CODES_STRATEGY`). Chosen
 # with `kvrelay eval recall --suite ruler` on the default model, tuning prompts only; on the

@@ -23,7 +23,7 @@ median 13 nats above the page's true largest logit, and its top pages barely ove
 pages that really take attention), so pages may instead be *ranked* by the midpoint estimate
 s * q . (min + max) / 2, the logit of the box's centre (no bound: a ranking only, from the
 same summaries). On the real model it puts the needle's pages first where the bound put them
-hundreds deep (`docs/results/recall-smollm2/report.md`). `choose_pages` reads the
+hundreds deep (`docs/results/recall-smollm2/tuning.md`). `choose_pages` reads the
 ranking from `Ranking`; the trigger (threshold, full-recall gate) always reads the bound.
 
 Codes (`Ranking.CODES`, summaries with row codes: `recoverability.key_code_bits`). Neither
@@ -32,8 +32,8 @@ omitted row's key coordinates inside its page's box, the decode worker estimates
 omitted row's logit, `page_code_log_odds` turns them into each page's estimated share
 against the resident rows, and `choose_estimated` takes the best pages above a floor (a step
 whose queries look nowhere omitted recalls nothing: the estimate, unlike the bound, is close
-to the truth), each with the owner's next page. 2-bit codes cost d_h / 4 bytes a row on the
-wire, half what the fp16 min/max summaries of 8-row pages cost (2 x 2 d_h bytes a page).
+to the truth), each with the owner's next page. b-bit codes cost d_h b / 8 bytes a row on the wire
+(4 bits: d_h / 2, what the fp16 min/max summaries of 8-row pages cost, 2 x 2 d_h bytes a page).
 """
 
 from __future__ import annotations

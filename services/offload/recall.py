@@ -745,12 +745,14 @@ class RecallKnobs:
 DEFAULT_RECALL_KNOBS = RecallKnobs(
     threshold=0.99, page_size=8, max_pages_per_step=8, cadence_steps=1
 )
-# With row codes (`CODES_STRATEGY` ranks by them): 2-bit codes, 16 pages a step at most (8
-# ranked, each with its successor), every second step evaluated. Chosen with
+# With row codes (`CODES_STRATEGY` ranks by them): 4-bit codes, 16 pages a step at most (8
+# ranked, each with its successor), every second step evaluated. 2-bit codes did as well at
+# 4K but found one needle fewer at 8K and 10% (1 of 3 tuning prompts; 4 bits and exact keys 2).
+# Chosen with
 # `kvrelay eval recall --suite ruler` on SmolLM2-135M-Instruct, tuning prompts only
 # (docs/results/recall-smollm2/tuning.md, "Row codes"). The threshold is not read by the codes
 # ranking (its floor is the strategy's `min_estimate`); it stays the default's.
-CODES_RECALL_KNOBS = replace(DEFAULT_RECALL_KNOBS, code_bits=2, max_pages_per_step=16,
+CODES_RECALL_KNOBS = replace(DEFAULT_RECALL_KNOBS, code_bits=4, max_pages_per_step=16,
                              cadence_steps=2)
 
 
