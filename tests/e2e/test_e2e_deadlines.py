@@ -51,14 +51,15 @@ def stopped(stack: UpStack) -> Iterator[ServiceProcess]:
 
 
 async def stream(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
-                 started: asyncio.Event | None = None) -> tuple[str, float, list[gateway_pb2.GenerateEvent]]:
+                 started: asyncio.Event | None = None, after: int = 1,
+                 ) -> tuple[str, float, list[gateway_pb2.GenerateEvent]]:
     """(status, when it ended on the monotonic clock, events) of one Generate; `started` is
-    set at its first event."""
+    set once `after` events arrived."""
     events = []
     try:
         async for event in stub.Generate(request, timeout=60):
             events.append(event)
-            if started is not None:
+            if started is not None and len(events) >= after:
                 started.set()
         return "OK", time.monotonic(), events
     except grpc.aio.AioRpcError as exc:
@@ -94,12 +95,16 @@ async def test_a_stopped_decode_worker_holds_no_request_past_its_deadline(
         async with grpc.aio.insecure_channel(gateway.address) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             # Two long streams: the first on the worker to stop (listing order), the second on the other.
+            # The stop comes once both are streaming (two events each): on a loaded machine the
+            # doomed worker had sent one token when the survivor's first arrived.
             on_stopped, on_healthy = asyncio.Event(), asyncio.Event()
             doomed = asyncio.ensure_future(stream(stub, generate_request(
-                ids, policy="full", max_tokens=3000, detokenize=False, request_id="e2e-stop-doomed"), on_stopped))
+                ids, policy="full", max_tokens=3000, detokenize=False, request_id="e2e-stop-doomed"),
+                on_stopped, after=2))
             await asyncio.wait_for(on_stopped.wait(), 60)
             survivor = asyncio.ensure_future(stream(stub, generate_request(
-                ids, policy="full", max_tokens=3000, detokenize=False, request_id="e2e-stop-survivor"), on_healthy))
+                ids, policy="full", max_tokens=3000, detokenize=False, request_id="e2e-stop-survivor"),
+                on_healthy, after=2))
             await asyncio.wait_for(on_healthy.wait(), 60)
 
             assert stopped.pid is not None
