@@ -376,42 +376,23 @@ def page_code_log_odds(
     scale = _scale(scale, summaries.head_dim)
     r = _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))  # [L, H_q]
     alive = _check_live(live, summaries.num_pages)
-    estimates = summaries.row_estimates  # [N, d_h] bfloat16
+    table = summaries.code_table  # estimates [S, d_h, slots] bfloat16
+    estimates = table.estimates
     q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [L, H_q, d_h]
     readers = _readers(owner_of_head, summaries.num_owners)  # [H_owner, G] head ids
-    grouped_q = q[:, readers].reshape(-1, readers.shape[1], q.shape[-1])  # [S, G, d_h]
-    grouped_r = r[:, readers].reshape(-1, readers.shape[1]).float()  # [S, G]
-    counts = _segment_rows(summaries)  # [S] rows per (layer, owner)
-    if counts.numel() and bool((counts == counts[0]).all()):  # uniform budgets: one product
-        n = int(counts[0])
-        logits = torch.bmm(estimates.view(-1, n, estimates.shape[1]),
-                           grouped_q.to(estimates.dtype).mT)  # [S, n, G]
-        z = (logits.float() - grouped_r[:, None, :]).reshape(-1, readers.shape[1])  # [N, G]
-    else:
-        z = torch.empty((estimates.shape[0], readers.shape[1]), dtype=torch.float32)
-        begin = 0
-        for segment, count in enumerate(counts.tolist()):
-            rows = estimates[begin:begin + count]
-            z[begin:begin + count] = (rows @ grouped_q[segment].to(rows.dtype).T).float() \
-                - grouped_r[segment]
-            begin += count
-    # Per row its most attentive reader first, then a log-sum-exp over the page's rows: at
-    # least the largest head's estimate and at most log(G) above it, a third of the work of a
-    # sum per head (this runs at every evaluated step over every omitted row).
-    best = z.amax(dim=1)  # [N]
-    page = summaries.row_page  # [N]
-    empty = torch.full((summaries.num_pages,), -math.inf)
-    peak = empty.scatter_reduce(0, page, best, "amax", include_self=True)  # [P]
-    finite = torch.where(torch.isfinite(peak), peak, 0.0)
-    total = torch.zeros_like(peak).scatter_add_(0, page, torch.exp(best - finite[page]))
-    odds = torch.where(torch.isfinite(peak), finite + total.log(), -math.inf)
-    return odds.double().masked_fill_(~alive, -math.inf)
-
-
-def _segment_rows(summaries: PageSummaries) -> torch.Tensor:
-    """Paged rows per (layer, owner) segment, flat.  # [L * H_owner] int64"""
-    rows = torch.zeros(summaries.num_layers * summaries.num_owners, dtype=torch.long)
-    return rows.index_add_(0, summaries.page_segment, summaries.page_count.long())
+    width = readers.shape[1]
+    grouped_q = q[:, readers].reshape(-1, width, q.shape[-1])  # [S, G, d_h]
+    grouped_r = r[:, readers].reshape(-1, width, 1).float()  # [S, G, 1]
+    # s q_h . k^_n - r_h for every slot and reading head (heads first: the reductions below
+    # then run over contiguous slots); per slot its most attentive reader, at least the
+    # largest head's estimate and at most log(G) below a sum over heads, at a third of the
+    # work (this runs at every evaluated step over every omitted row); then a log-sum-exp
+    # over each page's slots (unused slots are -inf).
+    z = torch.bmm(grouped_q.to(estimates.dtype), estimates).float().sub_(grouped_r)  # [S, G, slots]
+    best = z.amax(dim=1).add_(table.slot_bias)  # [S, slots]
+    pages = best.view(-1, summaries.page_size).logsumexp(dim=1)  # [S * slots / page_size]
+    odds = pages.index_select(0, table.page_slot).double()  # [P_total]
+    return odds.masked_fill_(~alive, -math.inf)
 
 
 def _readers(owner_of_head: torch.Tensor, owners: int) -> torch.Tensor:

@@ -342,7 +342,7 @@ class RecallSession:
             raise BoundInputInvalid("ranking", "the codes ranking needs summaries with row codes "
                                     "(recoverability.key_code_bits)")
         if strategy.ranking is Ranking.CODES and summaries is not None:
-            _ = summaries.row_estimates  # built at admission, not at the cue step
+            _ = summaries.code_table  # built at admission, not at the cue step
 
     @property
     def enabled(self) -> bool:

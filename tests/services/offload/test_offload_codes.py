@@ -83,6 +83,24 @@ def test_page_log_odds_equal_brute_force_over_the_estimates(uneven: bool) -> Non
     assert bool(torch.isinf(got[~live]).all())
 
 
+def test_code_table_places_every_row_in_its_page_slots_and_pads_with_minus_inf() -> None:
+    keys, selected = _case(6, uneven=True)  # owners with different page counts, partial pages
+    pages = summarize_pages(keys, selected, 4, code_bits=4)
+    table = pages.code_table
+    segments, dim, slots = table.estimates.shape
+    assert (segments, dim) == (pages.num_layers * pages.num_owners, 16) and slots % 4 == 0
+    used = torch.isfinite(table.slot_bias).flatten()
+    assert int(used.sum()) == pages.omitted_rows
+    assert torch.equal(torch.nonzero(used)[:, 0], torch.sort(table.row_slot).values)
+    flat = table.estimates.mT.reshape(-1, dim)
+    assert bool((flat[~used] == 0).all())
+    # Row n of page p sits in page p's slots, in order: slot // page_size is page p's cell.
+    cell = table.row_slot // pages.page_size
+    assert torch.equal(cell, table.page_slot[pages.row_page])
+    assert torch.equal(table.page_slot // (slots // 4), pages.page_segment)
+    assert table.nbytes == flat.numel() * 2 + table.slot_bias.numel() * 4
+
+
 def test_choose_estimated_ranks_floors_caps_and_adds_successors() -> None:
     odds = torch.tensor([0.5, -3.0, 2.0, -1.0, 1.0, -9.0], dtype=torch.float64)
     segment = torch.tensor([0, 0, 0, 1, 1, 1])
