@@ -113,6 +113,42 @@ def test_choose_estimated_ranks_floors_caps_and_adds_successors() -> None:
     assert choose_estimated(odds, live, 3, None, segment, successors=1).tolist() == [2, 0, 1]
 
 
+def _choose_brute_force(odds: list[float], live: list[bool], cap: int, floor: float | None,
+                       segment: list[int], successors: int) -> list[int]:
+    """choose_estimated by its words: rank the live finite pages at or above the floor (best
+    first, ties to the lower index), follow each by its owner's next live pages looked for
+    within 4 x successors after it, stop at the cap."""
+    ranked = sorted((p for p in range(len(odds)) if live[p] and math.isfinite(odds[p])
+                     and (floor is None or odds[p] >= floor)), key=lambda p: (-odds[p], p))
+    chosen: list[int] = []
+    for page in ranked[:cap]:
+        if page not in chosen:
+            chosen.append(page)
+        found = 0
+        for after in range(page + 1, min(len(odds), page + 4 * successors + 1)):
+            if found == successors or segment[after] != segment[page]:
+                break
+            if live[after] and after not in chosen:
+                chosen.append(after)
+                found += 1
+        if len(chosen) >= cap:
+            break
+    return chosen[:cap]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_estimated_equals_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    pages = rng.randint(1, 60)
+    segment = sorted(rng.randrange(4) for _ in range(pages))
+    odds = [rng.choice([-math.inf, round(rng.gauss(0, 2), 1)]) for _ in range(pages)]
+    live = [rng.random() > 0.2 for _ in range(pages)]
+    for cap, floor, successors in ((8, None, 0), (8, -1.0, 1), (16, 0.0, 2), (3, None, 3)):
+        got = choose_estimated(torch.tensor(odds, dtype=torch.float64), torch.tensor(live), cap,
+                               floor, torch.tensor(segment), successors)
+        assert got.tolist() == _choose_brute_force(odds, live, cap, floor, segment, successors)
+
+
 def test_summaries_refuse_inconsistent_codes() -> None:
     keys, selected = _case(4, uneven=False)
     pages = summarize_pages(keys, selected, 4, code_bits=2)
