@@ -85,6 +85,21 @@ class Accepted:
         }
 
 
+def handoff_reservation_bytes(handoff: ViewHandoff, cache_dtype: torch.dtype) -> int:
+    """What accepting `handoff` reserves: the view's rows, what its decode may append, what
+    recall may bring back, and the host memory recall holds: host-tier rows and the codes
+    ranking's table (the ledger's `code_table_bytes`, checked against the summaries that
+    arrive, `verify.check_offload`)."""
+    sidecar = handoff.descriptor.sidecar
+    recallable = handoff.offload.recallable
+    host = sidecar.host_tier_bytes if sidecar is not None else 0
+    return reservation_bytes(
+        handoff.descriptor.layout, handoff.max_tokens, cache_dtype,
+        recallable_rows=handoff.ledger.omitted_rows if recallable else 0,
+        host_bytes=host + (handoff.ledger.code_table_bytes if recallable else 0),
+    )
+
+
 class Acceptor:
     """The accept stage of one worker: its KV budget, its rendezvous store, its offload
     channels; blocking pair-group work runs on `executor` threads."""
@@ -123,13 +138,7 @@ class Acceptor:
         return Accepted(handoff, deadline, reservation, recv, self._lease(handoff), trace_parent)
 
     def reserved_bytes(self, handoff: ViewHandoff) -> int:
-        """The view's rows, what its decode may append, and what recall may bring back."""
-        sidecar = handoff.descriptor.sidecar
-        return reservation_bytes(
-            handoff.descriptor.layout, handoff.max_tokens, self._cache_dtype,
-            recallable_rows=handoff.ledger.omitted_rows if handoff.offload.recallable else 0,
-            host_bytes=sidecar.host_tier_bytes if sidecar is not None else 0,
-        )
+        return handoff_reservation_bytes(handoff, self._cache_dtype)
 
     async def _post_receives(self, handoff: ViewHandoff, deadline: Deadline) -> RecvTransfer:
         """Join the descriptor's pair group and post the receives (a worker thread), by the

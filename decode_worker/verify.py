@@ -260,8 +260,9 @@ def check_offload(
     """The descriptor's recoverability is the manifest's (or irrecoverable, degraded from
     recallable_remote with a reason); the page summaries use the manifest's page size and
     row-code bits and, with the retained rows, cover every position below the frontier
-    exactly once; host-tier rows are exactly the paged positions, their keys span exactly
-    each page's min/max and, with codes, encode to exactly the row codes."""
+    exactly once; the ledger charged the codes table they need (what accept reserved);
+    host-tier rows are exactly the paged positions, their keys span exactly each page's
+    min/max and, with codes, encode to exactly the row codes."""
     contract, offload = manifest.recoverability, handoff.offload
     degraded = (
         offload.mode is RecoverabilityMode.OMITTED_IRRECOVERABLE
@@ -289,6 +290,12 @@ def check_offload(
         validate_against_view(summaries, view.selected_positions(), handoff.end)
     except OffloadError as exc:
         raise ViewRejected(exc.reason, field=f"sidecar.{exc.field}") from None
+    if handoff.ledger.code_table_bytes != summaries.code_table_bytes:  # what accept reserved
+        raise ViewRejected(
+            f"{handoff.ledger.code_table_bytes} bytes, the summaries' table needs "
+            f"{summaries.code_table_bytes}",
+            field="ledger.code_table_bytes",
+        )
     if sidecar.host_rows is not None:
         _check_host_rows(summaries, sidecar.host_rows)
 

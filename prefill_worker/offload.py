@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from prefill_worker.wire import PrefillCall
 from services.kvpolicy.compress import Compressed
-from services.kvpolicy.ledger import Ledger, with_host_tier, with_page_summaries
+from services.kvpolicy.ledger import Ledger
 from services.kvpolicy.manifest import RecoverabilityMode
 from services.kvpolicy.packing import PackedKVView
 from services.kvpolicy.receipt import Receipt
@@ -63,8 +63,7 @@ class Offloaded:
         """`ledger` charged with what travels besides the view (summaries, host-tier rows)."""
         if self.sidecar is None:
             return ledger
-        charged = with_page_summaries(ledger, self.sidecar.summaries.nbytes)
-        return with_host_tier(charged, self.sidecar.host_tier_bytes)
+        return self.sidecar.charge(ledger)
 
 
 NOT_OFFLOADED = Offloaded()

@@ -43,6 +43,10 @@ class Ledger:
         which travel with the view as metadata; 0 when omitted rows are irrecoverable.
     host_tier_bytes: omitted rows that travel with the view to the decode worker's host
         tier (`recallable_local`: K, V, positions and page row starts); 0 otherwise.
+    code_table_bytes: what the decode worker's codes ranking holds in host memory for the
+        request's life when the summaries carry row codes (`PageSummaries.code_table_bytes`:
+        an estimated key per omitted row in page slots); not traffic, reserved there beside
+        the view; 0 without codes.
     source_rows: rows of the source cache the view is gathered from, L * H_kv * T (the
         parent image; fewer than `full_rows` when owners are query heads).
 
@@ -75,6 +79,7 @@ class Ledger:
     source_rows: int
     page_summary_bytes: int = 0
     host_tier_bytes: int = 0
+    code_table_bytes: int = 0
     observation_bytes: int = 0
     score_bytes: int = 0
     score_workspace_bytes: int = 0
@@ -230,11 +235,16 @@ def with_workspace(ledger: Ledger, workspace: Workspace) -> Ledger:
     return replace(ledger, **{f.name: getattr(workspace, f.name) for f in fields(workspace)})
 
 
-def with_page_summaries(ledger: Ledger, page_summary_bytes: int) -> Ledger:
-    """The ledger of a view that also carries `page_summary_bytes` of page summaries."""
-    if page_summary_bytes < 0:
-        raise PackingError("page_summary_bytes", f"must be non-negative, got {page_summary_bytes}")
-    return replace(ledger, page_summary_bytes=page_summary_bytes)
+def with_page_summaries(
+    ledger: Ledger, page_summary_bytes: int, code_table_bytes: int = 0
+) -> Ledger:
+    """The ledger of a view that also carries `page_summary_bytes` of page summaries, whose
+    row codes (if any) the decode worker lays out in `code_table_bytes` of host memory."""
+    for name, value in (("page_summary_bytes", page_summary_bytes),
+                        ("code_table_bytes", code_table_bytes)):
+        if value < 0:
+            raise PackingError(name, f"must be non-negative, got {value}")
+    return replace(ledger, page_summary_bytes=page_summary_bytes, code_table_bytes=code_table_bytes)
 
 
 def with_host_tier(ledger: Ledger, host_tier_bytes: int) -> Ledger:

@@ -103,6 +103,19 @@ class PageSummaries:
         return _code_table(self)
 
     @property
+    def code_table_bytes(self) -> int:
+        """Bytes `code_table` holds (0 without row codes), from the page layout alone, so
+        the ledger can charge them before any table is built: a bfloat16 coordinate and a
+        float32 mask per slot, page_size slots a page, every (layer, owner) as long as the
+        longest."""
+        if self.row_codes is None:
+            return 0
+        per_segment = self.page_offsets[:, 1:] - self.page_offsets[:, :-1]  # [L, H_owner]
+        longest = int(per_segment.max()) if per_segment.numel() else 0
+        slots = per_segment.numel() * longest * self.page_size
+        return slots * (self.head_dim * 2 + 4)
+
+    @property
     def row_estimates(self) -> torch.Tensor:
         """Every paged row's key as its code places it in its page's box, page after page (as
         `rows()`): the rows of `code_table`, gathered (a copy).  # [N, d_h] bfloat16"""
@@ -169,9 +182,10 @@ class CodeTable:
 
     Keys as their codes place them: k^ = min + c (max - min) / (2^b - 1) per coordinate, in
     bfloat16, because scoring reads the whole table and is bound by memory (a float32 table
-    took 3.6x as long at 4K). Host memory: 2 d_h bytes a slot (`nbytes`); padding is the
-    partial pages and the segments shorter than the longest (7% at 4K and 10%, 21% at 25%,
-    SmolLM2), never more than the bfloat16 keys of the whole context.
+    took 3.6x as long at 4K). Host memory: 2 d_h + 4 bytes a slot (`nbytes`, equal to
+    `PageSummaries.code_table_bytes`, which the ledger charges and the decode worker
+    reserves); padding is the partial pages and the segments shorter than the longest (7%
+    at 4K and 10%, 21% at 25%, SmolLM2).
     """
 
     estimates: torch.Tensor  # [S, d_h, slots] bfloat16, zeros in unused slots

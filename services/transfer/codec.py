@@ -44,7 +44,7 @@ _LEDGER_COUNTS = (
     "bytes_per_row", "num_layers", "num_owners", "prompt_rows", "visible_rows", "unique_kv_rows",
     "query_expanded_rows", "source_rows", "page_summary_bytes", "host_tier_bytes",
     "observation_bytes", "score_bytes", "score_workspace_bytes", "allocator_workspace_bytes",
-    "selection_workspace_bytes", "compaction_workspace_bytes",
+    "selection_workspace_bytes", "compaction_workspace_bytes", "code_table_bytes",
 )
 # Byte fields of the message and the `Ledger` property each must equal.
 _LEDGER_BYTES = {

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.kvpolicy.ledger import Ledger, with_host_tier, with_page_summaries
 from services.offload.errors import OffloadError
 from services.offload.pages import CODE_BITS, PAGE_INDEX_DTYPE, OmittedRows, PageSummaries
 from services.transfer.errors import DescriptorInvalid, TransferKey, TransferMismatch
@@ -71,6 +72,13 @@ class Sidecar:
     @property
     def nbytes(self) -> int:
         return self.summaries.nbytes + self.host_tier_bytes
+
+    def charge(self, ledger: Ledger) -> Ledger:
+        """`ledger` charged with this sidecar: the summaries and host-tier rows that travel,
+        and the codes table the decode worker will hold for them."""
+        s = self.summaries
+        return with_host_tier(with_page_summaries(ledger, s.nbytes, s.code_table_bytes),
+                              self.host_tier_bytes)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor that travels, by wire name, in send order."""

@@ -19,8 +19,6 @@ from services.kvpolicy.ledger import (
     Ledger,
     build_ledger,
     ledger_for,
-    with_host_tier,
-    with_page_summaries,
 )
 from services.kvpolicy.manifest import (
     DType,
@@ -313,7 +311,7 @@ def describe(
     )
     ledger = packed.ledger if view is packed.view else ledger_of_view(view, packed.prefilled.length)
     if sidecar is not None:
-        ledger = with_host_tier(with_page_summaries(ledger, sidecar.summaries.nbytes), sidecar.host_tier_bytes)
+        ledger = sidecar.charge(ledger)
     params, max_tokens = sampling_from_proto(sampling or sampling_proto(8))
     handoff = ViewHandoff(
         descriptor=descriptor,

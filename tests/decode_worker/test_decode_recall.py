@@ -26,7 +26,7 @@ from decode_helpers import (
 )
 
 from decode_worker.recall import SuccessorPublisher
-from services.kvpolicy.ledger import ledger_for, with_host_tier, with_page_summaries
+from services.kvpolicy.ledger import ledger_for
 from services.kvpolicy.manifest import (
     KVVisibilityPolicyManifest,
     RecoverabilityMode,
@@ -165,9 +165,8 @@ async def test_recallable_local_recalls_every_page_and_decodes_like_the_full_cac
     assert (summary.generations.state_generation, summary.generations.parent_state_generation) == (2, 1)
     fence = await policy.get_fence(packed.state.request_id)
     assert fence.state_generation == 2  # the recall's successor went through the fence
-    ledger = with_host_tier(with_page_summaries(
-        ledger_for(packed.manifest, packed.prefilled.length, packed.state.selected_positions),
-        car.summaries.nbytes), car.host_tier_bytes)
+    ledger = car.charge(
+        ledger_for(packed.manifest, packed.prefilled.length, packed.state.selected_positions))
     assert summary.ledger.bytes_moved == ledger.traffic_bytes == sent.descriptor.nbytes
 
 

@@ -16,6 +16,7 @@ from decode_helpers import (
     v_shifted,
 )
 
+from decode_worker.accept import handoff_reservation_bytes
 from decode_worker.errors import StaleTransfer, ViewRejected
 from decode_worker.verify import (
     check_budgets,
@@ -30,7 +31,6 @@ from decode_worker.verify import (
     verified_state,
 )
 from services.kvpolicy.fit import Deployment
-from services.kvpolicy.ledger import with_host_tier, with_page_summaries
 from services.kvpolicy.manifest import (
     DType,
     GQAGrouping,
@@ -298,8 +298,7 @@ def offloaded(manifest: KVVisibilityPolicyManifest, prefilled, summaries_of=None
     offload = OffloadRef(mode, "h-1", "127.0.0.1:9", 1000) if mode is REMOTE else OffloadRef(mode)
     # The ledger charged as the prefill worker charges it (summaries with their codes); the
     # handoff checks that it moves exactly what the descriptor's tensors list.
-    charged = with_page_summaries(packed.ledger, car.summaries.nbytes)
-    ledger = with_host_tier(charged, car.host_tier_bytes)
+    ledger = car.charge(packed.ledger)
     sidecar = SidecarLayout.of(car, packed.view.packed_v.dtype)
     handoff = packed.handoff(sidecar=sidecar, offload=offload, ledger=ledger)
     return packed, handoff, car
@@ -314,6 +313,28 @@ def test_summaries_with_the_manifests_code_bits_pass(mode, code_bits, prefilled)
     assert car.summaries.code_bits == (code_bits or 0)
     assert (car.summaries.row_codes is None) == (not code_bits)
     check_offload(manifest, handoff, car, packed.view)
+
+
+@pytest.mark.parametrize("mode", [LOCAL, REMOTE])
+def test_the_codes_table_is_charged_reserved_and_checked(mode, prefilled):
+    manifest = recallable(mode, 4)
+    packed, handoff, car = offloaded(manifest, prefilled)
+    table = car.summaries.code_table
+    assert handoff.ledger.code_table_bytes == car.summaries.code_table_bytes == table.nbytes > 0
+    # Accept reserves the table beside the rest (host bytes round up to whole pages).
+    plain = dataclasses.replace(handoff, ledger=dataclasses.replace(handoff.ledger, code_table_bytes=0))
+    extra = handoff_reservation_bytes(handoff, torch.float32) - handoff_reservation_bytes(plain, torch.float32)
+    assert table.nbytes <= extra
+    # A ledger that charges less (or more) than the summaries' table is rejected: accept
+    # reserved what it says.
+    for wrong in (0, table.nbytes - 1, table.nbytes + 1):
+        forged = dataclasses.replace(handoff, ledger=dataclasses.replace(handoff.ledger, code_table_bytes=wrong))
+        with pytest.raises(ViewRejected) as error:
+            check_offload(manifest, forged, car, packed.view)
+        assert error.value.field == "ledger.code_table_bytes"
+    # Without codes, nothing is charged.
+    _, uncoded, bare = offloaded(recallable(mode, None), prefilled)
+    assert uncoded.ledger.code_table_bytes == bare.summaries.code_table_bytes == 0
 
 
 @pytest.mark.parametrize(("declared", "sent"), [(2, 4), (2, None), (None, 1)])

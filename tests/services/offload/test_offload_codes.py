@@ -99,6 +99,8 @@ def test_code_table_places_every_row_in_its_page_slots_and_pads_with_minus_inf()
     assert torch.equal(cell, table.page_slot[pages.row_page])
     assert torch.equal(table.page_slot // (slots // 4), pages.page_segment)
     assert table.nbytes == flat.numel() * 2 + table.slot_bias.numel() * 4
+    assert pages.code_table_bytes == table.nbytes  # the ledger's figure, before any table
+    assert summarize_pages(keys, selected, 4).code_table_bytes == 0
 
 
 def test_choose_estimated_ranks_floors_caps_and_adds_successors() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kv_helpers import symbolic_kv
 
-from services.kvpolicy.ledger import build_ledger, with_host_tier, with_page_summaries
+from services.kvpolicy.ledger import build_ledger
 from services.kvpolicy.manifest import DType, TensorContract
 from services.kvpolicy.packing import pack
 from services.offload.pages import gather_omitted, summarize_pages, unpack_codes
@@ -128,7 +128,7 @@ def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(
         assert got.host_rows is None
 
     ledger = build_ledger(CONTRACT, TOKENS, SELECTED)
-    ledger = with_host_tier(with_page_summaries(ledger, car.summaries.nbytes), car.host_tier_bytes)
+    ledger = car.charge(ledger)
     assert moved == incoming.bytes_moved == descriptor.nbytes == ledger.traffic_bytes
     assert ledger.page_summary_bytes == descriptor.sidecar.page_summary_bytes > 0
     assert (ledger.host_tier_bytes > 0) == local

@@ -185,7 +185,7 @@ class PayloadDigest(_message.Message):
     def __init__(self, k: _Optional[str] = ..., v: _Optional[str] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes", "num_layers", "num_owners", "owners_are_query_heads", "prompt_rows", "visible_rows", "unique_kv_rows", "query_expanded_rows", "source_rows", "observation_bytes", "score_bytes", "score_workspace_bytes", "allocator_workspace_bytes", "selection_workspace_bytes", "compaction_workspace_bytes")
+    __slots__ = ("bytes_per_row", "full_payload_bytes", "visible_payload_bytes", "position_map_bytes", "row_offsets_bytes", "transaction_peak_bytes", "unique_demand_bytes", "query_expanded_demand_bytes", "bytes_moved", "recalled_bytes", "page_summary_bytes", "host_tier_bytes", "num_layers", "num_owners", "owners_are_query_heads", "prompt_rows", "visible_rows", "unique_kv_rows", "query_expanded_rows", "source_rows", "observation_bytes", "score_bytes", "score_workspace_bytes", "allocator_workspace_bytes", "selection_workspace_bytes", "compaction_workspace_bytes", "code_table_bytes")
     BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     FULL_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     VISIBLE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class Ledger(_message.Message):
     ALLOCATOR_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SELECTION_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPACTION_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODE_TABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes_per_row: int
     full_payload_bytes: int
     visible_payload_bytes: int
@@ -238,7 +239,8 @@ class Ledger(_message.Message):
     allocator_workspace_bytes: int
     selection_workspace_bytes: int
     compaction_workspace_bytes: int
-    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_owners: _Optional[int] = ..., owners_are_query_heads: _Optional[bool] = ..., prompt_rows: _Optional[int] = ..., visible_rows: _Optional[int] = ..., unique_kv_rows: _Optional[int] = ..., query_expanded_rows: _Optional[int] = ..., source_rows: _Optional[int] = ..., observation_bytes: _Optional[int] = ..., score_bytes: _Optional[int] = ..., score_workspace_bytes: _Optional[int] = ..., allocator_workspace_bytes: _Optional[int] = ..., selection_workspace_bytes: _Optional[int] = ..., compaction_workspace_bytes: _Optional[int] = ...) -> None: ...
+    code_table_bytes: int
+    def __init__(self, bytes_per_row: _Optional[int] = ..., full_payload_bytes: _Optional[int] = ..., visible_payload_bytes: _Optional[int] = ..., position_map_bytes: _Optional[int] = ..., row_offsets_bytes: _Optional[int] = ..., transaction_peak_bytes: _Optional[int] = ..., unique_demand_bytes: _Optional[int] = ..., query_expanded_demand_bytes: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., recalled_bytes: _Optional[int] = ..., page_summary_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_owners: _Optional[int] = ..., owners_are_query_heads: _Optional[bool] = ..., prompt_rows: _Optional[int] = ..., visible_rows: _Optional[int] = ..., unique_kv_rows: _Optional[int] = ..., query_expanded_rows: _Optional[int] = ..., source_rows: _Optional[int] = ..., observation_bytes: _Optional[int] = ..., score_bytes: _Optional[int] = ..., score_workspace_bytes: _Optional[int] = ..., allocator_workspace_bytes: _Optional[int] = ..., selection_workspace_bytes: _Optional[int] = ..., compaction_workspace_bytes: _Optional[int] = ..., code_table_bytes: _Optional[int] = ...) -> None: ...
 
 class RetentionSummary(_message.Message):
     __slots__ = ("prompt_method", "decode_method", "positions", "budget_rows", "resident_max", "score_state_bytes_per_row", "score_state_bytes", "layout", "evicted_rows", "publications")
