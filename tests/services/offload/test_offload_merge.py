@@ -158,6 +158,40 @@ def test_recall_successor_validates_for_any_disjoint_recall(marks: list[str], de
     assert child.state_generation == parent.state_generation + 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.sampled_from(["kept", "recalled", "omitted"]), min_size=6, max_size=6),
+             min_size=4, max_size=4),
+    st.integers(0, 3),
+    st.sampled_from([None, "twice", "visible"]),
+)
+def test_recall_successor_merges_every_owner_of_every_layer(
+    marks: list[list[str]], decoded: int, forge: str | None
+) -> None:
+    # Owners (layer, owner) = divmod(i, 2) over 6 positions; the last stays visible in all.
+    for owner in marks:
+        owner[-1] = "kept"
+    marks[1][0] = "recalled"
+    kept = [[t for t, m in enumerate(o) if m == "kept"] for o in marks]
+    recalled = [[t for t, m in enumerate(o) if m == "recalled"] for o in marks]
+    parent = parent_state(
+        frontier=6, selected_positions=[kept[0:2], kept[2:4]], protected_positions=[5],
+        owner_budgets=None,
+    )
+    grid = [recalled[0:2], recalled[2:4]]
+    if forge is not None:  # owner (0, 1) recalls a position twice, or one it already sees
+        grid[0][1] = [*grid[0][1], grid[0][1][0] if forge == "twice" else 5]
+        with pytest.raises(RecallMergeInvalid) as error:
+            recall_successor(parent, grid, cache_generation=2, frontier=6 + decoded)
+        assert error.value.field == "recalled[0][1]"
+        return
+    child = recall_successor(parent, grid, cache_generation=2, frontier=6 + decoded)
+    for i in range(4):
+        layer, owner = divmod(i, 2)
+        expected = sorted(set(kept[i]) | set(recalled[i]) | set(range(6, 6 + decoded)))
+        assert list(child.selected_positions[layer][owner]) == expected
+
+
 def test_recall_successor_rejections_name_the_field() -> None:
     parent = parent_state()
     cases = [
