@@ -291,7 +291,9 @@ def test_kvrelay_up_tls_serves_clients_that_trust_its_ca_only(checkpoint: Path, 
     output = Output(up)
     try:
         output.wait_for(rf"kvrelay gateway listening on 127\.0\.0\.1:{base}\b", 240)
-        assert f"mutual TLS between every service; certificates in {certs}" in output.text
+        # Printed after the gateway's line: wait for it too (the reader thread may not have
+        # read it yet when the gateway's line is seen).
+        output.wait_for(re.escape(f"mutual TLS between every service; certificates in {certs}"), 10)
         pids = [int(pid) for pid in re.findall(r"ready \S+\s+\S+\s+pid (\d+)", output.text)]
 
         def generate(*flags: str) -> subprocess.CompletedProcess[str]:
