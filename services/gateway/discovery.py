@@ -5,7 +5,9 @@ A `WorkerSource` is a static list (`host:port,host:port`) or a DNS name
 A `WorkerPool` re-resolves it every `resolve_interval_s`, asks every endpoint's gRPC health
 service every `health_interval_s`, and lends endpoints out: `pick` (pure) chooses the healthy
 worker with the fewest outstanding requests; ties go to the one picked least recently, then to
-listing order. A worker whose call failed is skipped until its next passing health check.
+listing order. A worker whose call failed is skipped until its next passing health check;
+one that refuses or answers NOT_SERVING is unhealthy at once, one that only answers too late
+after `unhealthy_after_timeouts` such checks in a row (busy is not gone).
 A pool may cap each worker's outstanding requests (`max_outstanding`): while every healthy
 worker is at the cap, a lease waits its turn (`services.gateway.admission`).
 """
@@ -50,11 +52,19 @@ class DiscoveryConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
     resolve_interval_s: float = 30.0
+    # Consecutive checks without an answer in time before a healthy worker counts as
+    # unhealthy. A worker that answers no (NOT_SERVING) or cannot be reached (connection
+    # refused, reset) is unhealthy at once; one that is only slow (a busy CPU decoding,
+    # seen to miss a 1 s check under a full batch on 2 cores) keeps serving for that long.
+    unhealthy_after_timeouts: int = 3
 
     def __post_init__(self) -> None:
         for name in ("health_interval_s", "health_timeout_s", "resolve_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: {getattr(self, name)} must be positive")
+        if self.unhealthy_after_timeouts < 1:
+            raise ValueError(
+                f"unhealthy_after_timeouts: {self.unhealthy_after_timeouts} must be >= 1")
 
 
 def split_host_port(address: str, field: str) -> tuple[str, int]:
@@ -156,6 +166,7 @@ class Endpoint:
         self.channel = security.aio_channel(
             address, peer, [*client_channel_options(max_message_bytes), ("grpc.enable_retries", 0)])
         self.healthy = False
+        self.timeouts = 0  # consecutive health checks without an answer in time
         self.outstanding = 0
         self.last_pick = 0
         self.retired = False
@@ -228,7 +239,12 @@ class WorkerPool:
             await self._resolve()
         endpoints = list(self._endpoints.values())
         results = await asyncio.gather(*(self._check(endpoint) for endpoint in endpoints))
-        for endpoint, healthy in zip(endpoints, results, strict=True):
+        for endpoint, answer in zip(endpoints, results, strict=True):
+            endpoint.timeouts = endpoint.timeouts + 1 if answer is None else 0
+            if answer is None:  # slow, not gone: healthy until it misses too many in a row
+                healthy = endpoint.healthy and endpoint.timeouts < self.config.unhealthy_after_timeouts
+            else:
+                healthy = answer
             if healthy != endpoint.healthy:
                 log.info("%s worker %s is %s", self.role, endpoint.address, "healthy" if healthy else "unhealthy")
                 self._queue.notify()  # a waiter may now find room, or learn that none is healthy
@@ -311,11 +327,12 @@ class WorkerPool:
         if endpoint.outstanding == 0:
             await endpoint.channel.close()
 
-    async def _check(self, endpoint: Endpoint) -> bool:
+    async def _check(self, endpoint: Endpoint) -> bool | None:
+        """SERVING or not; None when no answer came within `health_timeout_s`."""
         stub = health_pb2_grpc.HealthStub(endpoint.channel)
         request = health_pb2.HealthCheckRequest(service=self.service)
         try:
             response = await stub.Check(request, timeout=self.config.health_timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as exc:
+            return None if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED else False
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)

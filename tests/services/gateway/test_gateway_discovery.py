@@ -8,7 +8,9 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.admission import WaitQueue, WorkersBusy
 from services.gateway.discovery import (
@@ -88,6 +90,51 @@ async def test_pool_leases_by_outstanding_and_follows_health() -> None:
     finally:
         await pool.close()
         await servers[0].stop(0)
+
+
+class SlowHealth(health_pb2_grpc.HealthServicer):
+    """A health service that answers SERVING, after `delay_s` (a worker busy decoding)."""
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+        self.checks = 0
+
+    async def Check(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.checks += 1
+        await asyncio.sleep(self.delay_s)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+async def test_a_slow_worker_stays_healthy_until_it_misses_several_checks_in_a_row() -> None:
+    health = SlowHealth()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = DiscoveryConfig(health_interval_s=0.05, health_timeout_s=0.1, resolve_interval_s=60,
+                             unhealthy_after_timeouts=3)
+    pool = WorkerPool("decode", SERVICE, WorkerSource(addresses=(f"127.0.0.1:{port}",)), config)
+    try:
+        await pool.refresh()
+        assert pool.candidates()[0].healthy
+        health.delay_s = 0.3  # every check now times out
+        for _ in range(2):  # two misses in a row: still lent out
+            await pool.refresh()
+            assert pool.candidates()[0].healthy
+        await pool.refresh()  # the third: unhealthy
+        assert not pool.candidates()[0].healthy
+        health.delay_s = 0.0
+        await pool.refresh()  # one answer in time restores it, and resets the count
+        assert pool.candidates()[0].healthy
+        health.delay_s = 0.3
+        await pool.refresh()
+        assert pool.candidates()[0].healthy
+        assert health.checks == 6
+    finally:
+        await pool.close()
+        await server.stop(0)
+    with pytest.raises(ValueError, match="unhealthy_after_timeouts"):
+        DiscoveryConfig(unhealthy_after_timeouts=0)
 
 
 async def test_pool_without_healthy_workers_raises_unavailable() -> None:
