@@ -52,9 +52,10 @@ class PolicyProcess:
 
 
 def spawn(redis_url: str, key_prefix: str, security_args: Sequence[str], metrics: bool,
-          extra_args: Sequence[str] = ()) -> PolicyProcess:
-    """Start one `kvrelay serve policy` on free loopback ports (not yet waited for)."""
-    port, metrics_port = free_loopback_port(), free_loopback_port() if metrics else 0
+          extra_args: Sequence[str] = (), port: int = 0) -> PolicyProcess:
+    """Start one `kvrelay serve policy` on free loopback ports, or gRPC on `port` (a replica
+    back on its address), not yet waited for."""
+    port, metrics_port = port or free_loopback_port(), free_loopback_port() if metrics else 0
     command = [sys.executable, "-m", "kvrelay", "serve", "policy", "--host", "127.0.0.1",
                "--port", str(port), "--key-prefix", key_prefix, "--metrics-port", str(metrics_port),
                *security_args, *extra_args]

@@ -116,6 +116,9 @@ class PolicyClientConfig:
     # Session streams the per-request calls (begin, publish, fence, end) share
     # (`services.policy.session`); 0: one unary call each, as before Session existed.
     session_streams: int = 2
+    # Each stream is replaced after this long, so that streams spread over replicas added or
+    # restarted since they opened (`services.policy.session`).
+    session_max_age_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -129,6 +132,8 @@ class PolicyClientConfig:
             raise ValueError("backoff_initial_s: must be positive and <= backoff_max_s")
         if not 0 <= self.session_streams <= 64:
             raise ValueError(f"session_streams: {self.session_streams} must be in [0, 64]")
+        if self.session_max_age_s <= 0:
+            raise ValueError(f"session_max_age_s: {self.session_max_age_s} must be positive")
 
 
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
@@ -178,7 +183,10 @@ class PolicyClient:
         self._channel = policy_channel(config)
         self._stub = policy_pb2_grpc.PolicyServiceStub(self._channel)
         self._rng = rng or random.Random()
-        self._sessions = Sessions(self._stub, config.session_streams) if config.session_streams else None
+        self._sessions = Sessions(
+            self._stub, config.session_streams, max_age_s=config.session_max_age_s, rng=self._rng,
+            channel_ready=lambda: self._channel.get_state() == grpc.ChannelConnectivity.READY,
+        ) if config.session_streams else None
 
     async def __aenter__(self) -> PolicyClient:
         return self

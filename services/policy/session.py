@@ -16,6 +16,16 @@ Session (UNIMPLEMENTED, an older release) sends the client back to unary calls.
 
 A stream that answered nothing since a call was sent, until that call's deadline, is presumed
 dead (a peer gone without a reset) and dropped, so the next call opens a fresh one.
+
+Streams are replaced, so that they keep spreading over the replicas: a stream sits on the
+replica round robin picked when it opened, for as long as it lives. One opened before the
+channel was READY went to whichever replica connected first (the first calls of a new client
+open every stream within a millisecond), so it is replaced after `SETTLE_S`, when the others
+have connected too. Any other lives `max_age_s` (jittered down by up to a fifth, so that a
+client's streams do not turn over together): a replica added, or back after a restart, gets
+streams within that. A replaced stream takes no new call; it is half-closed after the calls
+already written on it, the service answers those and ends it (or it is cancelled after
+`RETIRE_GRACE_S`, which fails what it still had as UNAVAILABLE: sent again by the retry loop).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +54,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _STREAM_REFUSALS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.UNIMPLEMENTED})
 _WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+SETTLE_S = 0.5  # life of a stream opened before the channel was READY
+RETIRE_GRACE_S = 30.0  # a replaced stream's calls in flight have this long to be answered
 
 
 class SessionFailure(Exception):
@@ -54,7 +68,7 @@ class SessionFailure(Exception):
         self.stream_failed = stream_failed
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a set holds those being replaced
 class _Stream:
     call: Any  # grpc.aio.StreamStreamCall
     pending: dict[int, asyncio.Future[policy_pb2.SessionReply]] = field(default_factory=dict)
@@ -62,19 +76,30 @@ class _Stream:
     last_reply: float = 0.0
     reader: asyncio.Task[None] | None = None
     broken: bool = False
+    replace_at: float = float("inf")  # loop time after which no new call is sent on it
+    retirement: asyncio.Task[None] | None = None
 
 
 class Sessions:
-    """Up to `streams` Session streams of `stub` (see the module doc)."""
+    """Up to `streams` Session streams of `stub`, each replaced after `max_age_s` (or
+    `SETTLE_S` if `channel_ready()` was false when it opened; see the module doc)."""
 
-    def __init__(self, stub: policy_pb2_grpc.PolicyServiceStub, streams: int) -> None:
+    def __init__(self, stub: policy_pb2_grpc.PolicyServiceStub, streams: int, *, max_age_s: float,
+                 channel_ready: Callable[[], bool], rng: random.Random | None = None) -> None:
         if streams < 1:
             raise ValueError(f"streams: {streams} must be >= 1")
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s: {max_age_s} must be positive")
         self._stub = stub
         self._streams: list[_Stream | None] = [None] * streams
+        self._retiring: set[_Stream] = set()
+        self._max_age_s = max_age_s
+        self._channel_ready = channel_ready
+        self._rng = rng or random.Random()
         self._turn = itertools.count()
         self._call_ids = itertools.count(1)
         self._closed = False
+        self.opened = 0  # streams opened so far
 
     async def call(self, kind: str, request: Any, timeout_s: float) -> Any:
         """The response of the call `kind` (a SessionCall field) with `request`; SessionFailure."""
@@ -116,13 +141,37 @@ class Sessions:
         return getattr(reply, kind)
 
     def _stream(self) -> _Stream:
+        loop = asyncio.get_running_loop()
         slot = next(self._turn) % len(self._streams)
         stream = self._streams[slot]
+        if stream is not None and not stream.broken and loop.time() >= stream.replace_at:
+            self._retire(stream)
+            stream = None
         if stream is None or stream.broken:
-            stream = _Stream(self._stub.Session())
-            stream.reader = asyncio.get_running_loop().create_task(self._read(stream))
+            life = self._max_age_s * (1 - 0.2 * self._rng.random()) if self._channel_ready() else SETTLE_S
+            stream = _Stream(self._stub.Session(), replace_at=loop.time() + life)
+            self.opened += 1
+            stream.reader = loop.create_task(self._read(stream))
             self._streams[slot] = stream
         return stream
+
+    def _retire(self, stream: _Stream) -> None:
+        """Half-close `stream` after the calls already queued on it (FIFO write lock)."""
+        self._retiring.add(stream)
+
+        async def retire() -> None:
+            try:
+                async with stream.write_lock:
+                    with contextlib.suppress(*_WRITE_ERRORS):
+                        await stream.call.done_writing()
+                assert stream.reader is not None
+                done, _ = await asyncio.wait({stream.reader}, timeout=RETIRE_GRACE_S)
+                if not done:
+                    self._drop(stream)
+            finally:
+                self._retiring.discard(stream)
+
+        stream.retirement = asyncio.get_running_loop().create_task(retire())
 
     async def _read(self, stream: _Stream) -> None:
         loop = asyncio.get_running_loop()
@@ -155,12 +204,12 @@ class Sessions:
     async def close(self) -> None:
         """Cancel every stream; calls still in flight fail (CANCELLED: the client is closed)."""
         self._closed = True
-        streams = [s for s in self._streams if s is not None]
+        streams = [s for s in self._streams if s is not None] + list(self._retiring)
         for stream in streams:
             self._drop(stream)
-        readers = [s.reader for s in streams if s.reader is not None]
+        tasks = [t for s in streams for t in (s.reader, s.retirement) if t is not None]
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*readers, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _stream_failure(exc: grpc.aio.AioRpcError) -> SessionFailure:

@@ -1,26 +1,31 @@
 """Replicated policy services (issue 21): two stateless `kvrelay serve policy` processes on one
 Redis behind one comma-separated target (gRPC round robin). The policy clients the gateway and
-the workers build run whole request lifecycles while one replica is SIGKILLed: no call fails,
-and both replicas had served before."""
+the workers build run whole request lifecycles; once both replicas have served (the clients'
+first Session streams all open on whichever replica connected first, and are replaced within
+a second by streams round robin spreads), one replica is SIGKILLed: no call fails."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 from policy_helpers import digest
 
 from decode_worker.config import DecodeWorkerConfig
-from policy_service.processes import PolicyProcess, policy_service_processes
+from policy_service.processes import PolicyProcess, policy_service_processes, spawn, wait_serving
 from services.gateway.config import GatewayConfig
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import Phase, PolicyClient, PolicyClientConfig, StatePublication
 from services.policy.client import grpc_target
+from services.policy.session import SETTLE_S
 from services.redis_embedded import EmbeddedRedis
+from services.security.transport import TransportSecurity
 
 LOOPS = 6
 BEFORE_KILL = 24
@@ -91,6 +96,39 @@ async def until(condition: object, deadline: float) -> None:
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def lifecycles_running(
+    gateway_config: PolicyClientConfig, worker_config: PolicyClientConfig, manifest: KVVisibilityPolicyManifest,
+    loops: int,
+) -> AsyncIterator[tuple[Lifecycles, float]]:
+    """`loops` lifecycle loops on a gateway client and two worker clients; yields them and
+    their deadline; stops the loops, then closes the clients."""
+    gateway, prefill, decode = PolicyClient(gateway_config), PolicyClient(worker_config), PolicyClient(worker_config)
+    try:
+        sha = (await gateway.register_manifest(manifest.canonical_json())).ref.sha256
+        runs = Lifecycles(gateway, prefill, decode, sha)
+        stop, deadline = asyncio.Event(), time.monotonic() + DEADLINE_S
+        tasks = [asyncio.create_task(runs.loop(i, stop, deadline)) for i in range(loops)]
+        try:
+            yield runs, deadline
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        for client in (gateway, prefill, decode):
+            await client.close()
+
+
+async def until_served(replicas: list[PolicyProcess], runs: Lifecycles, deadline: float) -> list[float]:
+    """Until every one of `replicas` has answered a PublishState (or a lifecycle failed)."""
+    while True:
+        served = [await asyncio.to_thread(served_publishes, r) for r in replicas]
+        if runs.failures or all(served):
+            return served
+        assert time.monotonic() < deadline, f"not every replica served: {served}"
+        await asyncio.sleep(0.1)
+
+
 @pytest.mark.slow
 async def test_requests_ride_through_the_loss_of_one_policy_replica(
     redis_server: EmbeddedRedis, manifests: dict[str, KVVisibilityPolicyManifest],
@@ -99,26 +137,45 @@ async def test_requests_ride_through_the_loss_of_one_policy_replica(
     async with policy_service_processes(redis_server.url, prefix, 2, metrics=True) as replicas:
         target = ",".join(replica.address for replica in replicas)
         # The clients as the gateway and the workers build them, with their default deadlines.
-        gateway = PolicyClient(PolicyClientConfig(target, timeout_s=default_of(GatewayConfig, "policy_timeout_s")))
+        gateway = PolicyClientConfig(target, timeout_s=default_of(GatewayConfig, "policy_timeout_s"))
         worker = PolicyClientConfig(target, timeout_s=default_of(DecodeWorkerConfig, "policy_timeout_s"))
-        prefill, decode = PolicyClient(worker), PolicyClient(worker)
-        try:
-            sha = (await gateway.register_manifest(manifests["snapkv"].canonical_json())).ref.sha256
-            runs = Lifecycles(gateway, prefill, decode, sha)
-            stop, deadline = asyncio.Event(), time.monotonic() + DEADLINE_S
-            tasks = [asyncio.create_task(runs.loop(i, stop, deadline)) for i in range(LOOPS)]
-            try:
-                await until(lambda: runs.completed >= BEFORE_KILL or runs.failures, deadline)
-                served = [await asyncio.to_thread(served_publishes, r) for r in replicas]
-                replicas[0].kill()
-                killed_at = runs.completed
-                await until(lambda: runs.completed >= killed_at + AFTER_KILL or runs.failures, deadline)
-            finally:
-                stop.set()
-                await asyncio.gather(*tasks)
-        finally:
-            for client in (gateway, prefill, decode):
-                await client.close()
+        async with lifecycles_running(gateway, worker, manifests["snapkv"], LOOPS) as (runs, deadline):
+            await until(lambda: runs.completed >= BEFORE_KILL or runs.failures, deadline)
+            served = await until_served(replicas, runs, deadline)
+            spread_s = time.monotonic() - (deadline - DEADLINE_S)
+            replicas[0].kill()
+            killed_at = runs.completed
+            await until(lambda: runs.completed >= killed_at + AFTER_KILL or runs.failures, deadline)
     assert not runs.failures, [repr(f) for f in runs.failures[:3]]
     assert all(count > 0 for count in served), served  # round robin: both replicas served
+    assert spread_s < 10 * SETTLE_S, f"both replicas served only after {spread_s:.1f} s"
     assert runs.completed >= BEFORE_KILL + AFTER_KILL
+
+
+@pytest.mark.slow
+async def test_a_replica_back_after_a_restart_gets_streams_again(
+    redis_server: EmbeddedRedis, manifests: dict[str, KVVisibilityPolicyManifest],
+) -> None:
+    """Streams that moved to the surviving replica are replaced after `session_max_age_s`, so
+    the restarted one serves again (without replacement it would wait for the next failure)."""
+    prefix = f"t{uuid.uuid4().hex[:12]}:"
+    restarted: PolicyProcess | None = None
+    async with policy_service_processes(redis_server.url, prefix, 2, metrics=True) as replicas:
+        config = PolicyClientConfig(",".join(r.address for r in replicas), timeout_s=5.0, session_max_age_s=0.5)
+        try:
+            async with lifecycles_running(config, config, manifests["snapkv"], 2) as (runs, deadline):
+                await until(lambda: runs.completed >= BEFORE_KILL or runs.failures, deadline)
+                replicas[0].kill()
+                killed_at = runs.completed
+                await until(lambda: runs.completed >= killed_at + BEFORE_KILL or runs.failures, deadline)
+                port = int(replicas[0].address.rsplit(":", 1)[1])
+                restarted = spawn(redis_server.url, prefix, ("--plaintext",), True, port=port)
+                await wait_serving(restarted.address, restarted.process, 30.0, TransportSecurity.local_plaintext())
+                back_at = time.monotonic()
+                await until_served([restarted], runs, deadline)
+                back_s = time.monotonic() - back_at
+        finally:
+            if restarted is not None:
+                restarted.stop()
+    assert not runs.failures, [repr(f) for f in runs.failures[:3]]
+    assert back_s < 10.0, back_s  # reconnect backoff (at most 1 s) plus a stream's age

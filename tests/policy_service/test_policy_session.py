@@ -100,6 +100,32 @@ async def test_many_calls_on_one_stream_each_get_their_own_answer(policy_server:
     assert isinstance(read[CALLS], NotFound)  # one call's error is its own
 
 
+async def test_streams_are_replaced_without_losing_or_repeating_a_call(policy_server: PolicyServer) -> None:
+    """Streams live `session_max_age_s` (the first ones, opened before the channel was READY,
+    `SETTLE_S`); a replaced one is half-closed after the calls written on it and the service
+    answers those: every call succeeds at its first attempt (a retry would count twice)."""
+    config = PolicyClientConfig(policy_server.address, timeout_s=5.0, session_streams=2, session_max_age_s=0.02)
+    before = served("BeginRequest", "OK"), served("GetFence", "OK")
+    calls, deadline = 0, time.monotonic() + 20.0
+    async with PolicyClient(config) as client:
+        assert client._sessions is not None
+
+        async def loop(index: int) -> None:
+            nonlocal calls
+            for serial in range(60):
+                fence = await client.begin_request(f"replaced-{index}-{serial}")
+                assert (await client.get_fence(fence.request_id)).request_generation == fence.request_generation
+                calls += 1
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(8))), deadline - time.monotonic())
+        opened = client._sessions.opened
+    assert calls == 8 * 60
+    assert served("BeginRequest", "OK") - before[0] == calls  # none sent twice
+    assert served("GetFence", "OK") - before[1] == calls
+    assert opened > 2 * 4, opened  # the first two lived 0.5 s, the next 20 ms each (of >= 0.6 s)
+
+
 async def raw_session(address: str, calls: list[policy_pb2.SessionCall]) -> list[policy_pb2.SessionReply]:
     async with grpc.aio.insecure_channel(address) as channel:
         stream = policy_pb2_grpc.PolicyServiceStub(channel).Session(iter(calls), timeout=10)
