@@ -196,8 +196,8 @@ def _merged_grid(
     """The parent's positions with `recalled[l][h]` added to each owner and every position
     of `[parent.end, stop)` (decoded since the parent) added to all, each owner ascending,
     in tensor operations over (owner, position) keys (this runs for every recall of every
-    request; per-owner Python lists took 4.5 ms at 4K, a sort of the whole grid 3 ms). RecallMergeInvalid naming
-    the owner when a recalled position lies outside `[origin, end)` or is already visible
+    request; per-owner Python lists took 4.5 ms at 4K, a sort of the whole grid 3 ms).
+    RecallMergeInvalid naming the owner when a recalled position lies outside `[origin, end)` or is already visible
     (or recalled twice)."""
     grid = parent.selected_positions
     layers, owners = parent.num_layers, parent.num_owners
@@ -217,7 +217,8 @@ def _merged_grid(
     # (owner, position) keys: the parent's are ascending already, the recalled few are
     # sorted and slotted in (no sort of the whole grid), the decoded go after each owner's.
     span = max(stop, parent.end) + 1
-    visible = torch.repeat_interleave(segments, counts) * span + grid.flat  # [R] ascending
+    visible_segment = torch.repeat_interleave(segments, counts)  # [R]
+    visible = visible_segment * span + grid.flat  # [R] ascending
     recall = torch.sort(added_segment * span + added).values  # [n]
     before = torch.searchsorted(visible, recall)  # [n] visible keys below each recalled one
     seen = before < visible.numel()
@@ -237,7 +238,6 @@ def _merged_grid(
     # A visible key's slot: its index, plus the recalled keys below it, plus the decoded rows
     # of the owners before its own; a recalled key's: the visible keys below it, plus its
     # rank among the recalled, plus the same; the decoded fill each owner's last `width`.
-    visible_segment = torch.repeat_interleave(segments, counts)
     below = torch.searchsorted(recall, visible)
     flat[torch.arange(visible.numel()) + below + visible_segment * width] = grid.flat
     recalled_segment = recall // span
