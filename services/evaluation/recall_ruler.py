@@ -294,8 +294,12 @@ class RecallRulerRunner:
         loaded = self.loaded
         limit = max(r.prompt.max_new_tokens for r in group)
         rows = max(int(r.compressed.view.row_offsets.diff(dim=1).max()) for r in group)
+        # Room for one recall's rows per owner besides the view and the answer: the decode
+        # worker's pool is fixed and reserves what recall may bring back at accept
+        # (`decode_worker.accept.handoff_reservation_bytes`); a private pool grown in the middle
+        # of a timed step copies every request's pages (~67 ms once at batch 8, 4K).
         cache = DecodeCache(loaded.config, loaded.dtype, loaded.device, batch_capacity=len(group),
-                            row_capacity=rows + limit + 2)
+                            row_capacity=rows + limit + 2 + max(map(_recall_rows, group)))
         by_id = {r.rid: r for r in group}
         for r in group:
             cache.admit_view(r.rid, r.compressed.view, frontier=r.compressed.forward.prompt_len)
@@ -355,6 +359,15 @@ class RecallRulerRunner:
             fallbacks=len(fell), fetch_s=tuple(o.latency_s for o in recalled),
             cue_s=r.cue_s, step_s=tuple(r.step_s), step_cpu_s=tuple(r.step_cpu_s),
         )
+
+
+def _recall_rows(request: _Request) -> int:
+    """Rows one recall may add to an owner of `request` (0 without recall)."""
+    contract = request.compressed.manifest.recoverability
+    if not contract.recallable:
+        return 0
+    assert contract.max_pages_per_step is not None and contract.page_size is not None
+    return contract.max_pages_per_step * contract.page_size
 
 
 def _task_name(spec: ruler.PromptSpec) -> str:
