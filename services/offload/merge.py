@@ -197,8 +197,8 @@ def _merged_grid(
     of `[parent.end, stop)` (decoded since the parent) added to all, each owner ascending,
     in tensor operations over (owner, position) keys (this runs for every recall of every
     request; per-owner Python lists took 4.5 ms at 4K, a sort of the whole grid 3 ms).
-    RecallMergeInvalid naming the owner when a recalled position lies outside `[origin, end)` or is already visible
-    (or recalled twice)."""
+    RecallMergeInvalid naming the owner when a recalled position lies outside `[origin, end)`
+    or is already visible (or recalled twice)."""
     grid = parent.selected_positions
     layers, owners = parent.num_layers, parent.num_owners
     segments = torch.arange(layers * owners)
