@@ -115,6 +115,10 @@ _CLUSTER_UNAVAILABLE = (
     redis.exceptions.ClusterError,  # includes ClusterDownError and MasterDownError
     redis.exceptions.TryAgainError,
     redis.exceptions.SlotNotCoveredError,
+    # MOVED/ASK to a client of one node (a mutation sent with its WAIT to its slot's master,
+    # policy_service.durability) after a failover moved the slot: it did not run there, and
+    # the retry finds the new master. RedisCluster follows these itself.
+    redis.exceptions.AskError,
 )
 REDIS_UNAVAILABLE = (*_UNREACHABLE, *_CLUSTER_UNAVAILABLE)
 _MISSING_REQUEST = "(never begun, its lease expired, or the policy store lost it)"
