@@ -82,6 +82,10 @@ class PolicyServiceConfig:
     manifest_journal: Path | None = None
     recovery_interval_s: float = 1.0
     deployments: tuple[Deployment, ...] = ()
+    # The framed Session listener's port on `server.host` (policy_service.framed): the
+    # per-request calls without gRPC, with the server's TLS and tokens. None: no listener;
+    # 0: a free port.
+    session_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
@@ -109,6 +113,10 @@ class PolicyServiceConfig:
                              f"(0, redis_timeout_s = {self.redis_timeout_s} s)")
         if not 0 < self.redis_backoff_base_s <= self.redis_backoff_cap_s:
             raise ValueError("redis_backoff_base_s: must be positive and <= redis_backoff_cap_s")
+        if self.session_port is not None and not 0 <= self.session_port <= 65535:
+            raise ValueError(f"session_port: {self.session_port} is not in [0, 65535]")
+        if self.session_port and self.session_port == self.server.port:
+            raise ValueError(f"session_port: {self.session_port} is the gRPC port too")
         if not 0 < self.recovery_interval_s <= 60:
             raise ValueError(f"recovery_interval_s: {self.recovery_interval_s} is not in (0, 60]")
 

@@ -32,6 +32,7 @@ from policy_service.config import (
     redact_url,
 )
 from policy_service.durability import Durability, NodeClient
+from policy_service.framed import FramedListener
 from policy_service.pending_ends import PendingEnds
 from policy_service.recovery import Recovery
 from policy_service.sentinel import close_sentinels, sentinel_client
@@ -156,17 +157,28 @@ class PolicyServer:
     """A running policy service."""
 
     def __init__(self, config: PolicyServiceConfig, rpc: RpcServer, client: RedisClient,
-                 embedded: EmbeddedRedis | None, recovery: Recovery, servicer: PolicyServicer) -> None:
+                 embedded: EmbeddedRedis | None, recovery: Recovery, servicer: PolicyServicer,
+                 framed: FramedListener | None = None) -> None:
         self.config = config
         self.servicer = servicer
         self.rpc = rpc
         self.redis = client
         self.embedded = embedded
         self.recovery = recovery
+        self.framed = framed
 
     @property
     def address(self) -> str:
         return self.rpc.address
+
+    @property
+    def session_address(self) -> str:
+        """host:port of the framed Session listener ("" without one): a client's
+        `session_target`."""
+        if self.framed is None:
+            return ""
+        host = self.config.server.host
+        return f"[{host}]:{self.framed.port}" if ":" in host else f"{host}:{self.framed.port}"
 
     @classmethod
     async def start(cls, config: PolicyServiceConfig) -> PolicyServer:
@@ -181,6 +193,7 @@ class PolicyServer:
             url = embedded.url
         client = redis_client(url, config)
         recovery: Recovery | None = None
+        framed: FramedListener | None = None
         try:
             await check_redis(client, url)
             store = policy_store(client, config, await choose_durability(client, config, embedded is not None),
@@ -192,9 +205,14 @@ class PolicyServer:
             binding = ServiceBinding(
                 SERVICE_NAME, lambda server: policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server)
             )
+            if config.session_port is not None:  # listening before health says SERVING
+                framed = FramedListener(servicer.sessions, config.server.security, config.server.max_message_bytes)
+                await framed.start(config.server.host, config.session_port)
             rpc = await start_server(config.server, [binding], [ReadinessCheck("redis", recovery.problem)])
             recovery.on_change = rpc.readiness.evaluate
         except BaseException:
+            if framed is not None:
+                await framed.stop(0)
             if recovery is not None:
                 await recovery.stop()
                 await recovery.store.scripts.aclose()
@@ -202,14 +220,18 @@ class PolicyServer:
             if embedded is not None:
                 await asyncio.to_thread(embedded.close)
             raise
-        log.info("policy service on %s, redis %s", rpc.address, "embedded" if embedded else redact_url(url))
-        return cls(config, rpc, client, embedded, recovery, servicer)
+        log.info("policy service on %s%s, redis %s", rpc.address,
+                 f", framed sessions on port {framed.port}" if framed else "",
+                 "embedded" if embedded else redact_url(url))
+        return cls(config, rpc, client, embedded, recovery, servicer, framed)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain gRPC (Session streams stop taking calls first: their clients move to another
         replica), close Redis connections, stop the embedded redis-server (AOF flushed)."""
         self.servicer.sessions.drain()
-        await self.rpc.stop(grace_s)
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        await asyncio.gather(self.rpc.stop(grace_s),
+                             self.framed.stop(grace) if self.framed is not None else asyncio.sleep(0))
         await self.recovery.stop()
         await self.recovery.store.scripts.aclose()
         await close_client(self.redis)
@@ -246,7 +268,8 @@ async def serve(config: PolicyServiceConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    print(f"kvrelay policy service listening on {server.address}", flush=True)
+    framed = f", framed sessions on {server.session_address}" if server.framed else ""
+    print(f"kvrelay policy service listening on {server.address}{framed}", flush=True)
     try:
         await stop.wait()
     finally:

@@ -134,7 +134,7 @@ class Sessions:
                 status = _status(exc, method_name)
                 code = status.code
                 current.set_attribute("rpc.grpc.status_code", code.value[0])
-                return policy_pb2.SessionReply(call_id=call.call_id, error=_session_error(status))
+                return policy_pb2.SessionReply(call_id=call.call_id, error=session_error(status))
             finally:
                 observe_rpc(method_name, code.name, started)
 
@@ -151,6 +151,6 @@ def _status(exc: Exception, method: str) -> RpcStatus:
     return status
 
 
-def _session_error(status: RpcStatus) -> policy_pb2.SessionError:
+def session_error(status: RpcStatus) -> policy_pb2.SessionError:
     status = bounded(status)
     return policy_pb2.SessionError(code=status.code.value[0], detail=status.detail)

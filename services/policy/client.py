@@ -23,7 +23,10 @@ first attempt took effect before its answer was lost:
 Those four per-request calls go over `PolicyService.Session` streams (`session_streams` per
 client, `services.policy.session`): a message on an open stream costs a fraction of a unary
 call. Each still has its own deadline and typed error; a client of a service without Session
-makes unary calls.
+makes unary calls. With `session_target` (the replicas' framed Session listeners,
+`kvrelay serve policy --session-port`) those streams are connections without gRPC
+(`services.policy.framed`): the same messages, deadlines, errors and retries, with the same
+TLS and credentials, at a fraction of a gRPC message's cost.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from services.policy.errors import (
     RequestInvalid,
     StaleGeneration,
 )
+from services.policy.framed import FramedConnector, split_target
 from services.policy.session import SessionFailure, Sessions
 from services.policy.types import (
     Fence,
@@ -119,6 +123,9 @@ class PolicyClientConfig:
     # Each stream is replaced after this long, so that streams spread over replicas added or
     # restarted since they opened (`services.policy.session`).
     session_max_age_s: float = 30.0
+    # host:port of the framed Session listener of each replica (comma-separated, like
+    # `target`); empty: the Session streams are gRPC calls on `target`'s channel.
+    session_target: str = ""
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -134,6 +141,8 @@ class PolicyClientConfig:
             raise ValueError(f"session_streams: {self.session_streams} must be in [0, 64]")
         if self.session_max_age_s <= 0:
             raise ValueError(f"session_max_age_s: {self.session_max_age_s} must be positive")
+        if self.session_target:
+            split_target(self.session_target)
 
 
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
@@ -183,10 +192,18 @@ class PolicyClient:
         self._channel = policy_channel(config)
         self._stub = policy_pb2_grpc.PolicyServiceStub(self._channel)
         self._rng = rng or random.Random()
-        self._sessions = Sessions(
-            self._stub, config.session_streams, max_age_s=config.session_max_age_s, rng=self._rng,
-            channel_ready=lambda: self._channel.get_state() == grpc.ChannelConnectivity.READY,
-        ) if config.session_streams else None
+        self._sessions = self._new_sessions(config) if config.session_streams else None
+
+    def _new_sessions(self, config: PolicyClientConfig) -> Sessions:
+        if config.session_target:
+            connect = FramedConnector(config.session_target, config.security, connect_timeout_s=config.timeout_s,
+                                      max_frame_bytes=config.max_message_bytes)
+            # Each connection goes to the next replica itself: none waits for a channel.
+            return Sessions(connect, config.session_streams, max_age_s=config.session_max_age_s, rng=self._rng,
+                            channel_ready=lambda: True)
+        return Sessions(self._stub.Session, config.session_streams, max_age_s=config.session_max_age_s,
+                        rng=self._rng,
+                        channel_ready=lambda: self._channel.get_state() == grpc.ChannelConnectivity.READY)
 
     async def __aenter__(self) -> PolicyClient:
         return self

@@ -1,9 +1,11 @@
 """The client side of `PolicyService.Session`: per-request policy calls multiplexed on a few
 long-lived streams (why: `policy_service.session`).
 
-`Sessions(stub, streams)` keeps up to `streams` streams open on one channel, opened on first
-use and again after one breaks, and spreads calls over them in turn (with round-robin load
-balancing each new stream goes to the next replica). A call is one SessionCall carrying its
+`Sessions(open_stream, streams)` keeps up to `streams` streams open, opened on first use and
+again after one breaks, and spreads calls over them in turn. A stream is a gRPC Session call
+on one channel (with round-robin load balancing each new stream goes to the next replica) or
+a connection to the framed Session listener (`services.policy.framed`, each to the next
+replica in turn; without gRPC's per-message cost). A call is one SessionCall carrying its
 call id, what is left of its deadline and the caller's trace context; its reply resolves it.
 
 What a caller sees is what the unary call would have raised, as a `SessionFailure` (status code
@@ -41,8 +43,9 @@ from typing import Any
 import grpc
 from opentelemetry.trace import SpanKind
 
+from services.policy.framed import StreamFailed
 from services.rpc.errors import error_detail
-from services.rpc.kvrelay.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.rpc.kvrelay.v1 import common_pb2, policy_pb2
 from services.telemetry.spans import inject_context, rpc_span
 from services.telemetry.tracing import tracing_enabled
 
@@ -53,7 +56,7 @@ _SERVICE = "/kvrelay.v1.PolicyService/"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _STREAM_REFUSALS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.UNIMPLEMENTED})
-_WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+_WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, StreamFailed)
 SETTLE_S = 0.5  # life of a stream opened before the channel was READY
 RETIRE_GRACE_S = 30.0  # a replaced stream's calls in flight have this long to be answered
 
@@ -70,7 +73,7 @@ class SessionFailure(Exception):
 
 @dataclass(eq=False)  # hashed by identity: a set holds those being replaced
 class _Stream:
-    call: Any  # grpc.aio.StreamStreamCall
+    call: Any  # grpc.aio.StreamStreamCall, or services.policy.framed.FramedStream
     pending: dict[int, asyncio.Future[policy_pb2.SessionReply]] = field(default_factory=dict)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_reply: float = 0.0
@@ -81,16 +84,16 @@ class _Stream:
 
 
 class Sessions:
-    """Up to `streams` Session streams of `stub`, each replaced after `max_age_s` (or
+    """Up to `streams` streams from `open_stream()`, each replaced after `max_age_s` (or
     `SETTLE_S` if `channel_ready()` was false when it opened; see the module doc)."""
 
-    def __init__(self, stub: policy_pb2_grpc.PolicyServiceStub, streams: int, *, max_age_s: float,
+    def __init__(self, open_stream: Callable[[], Any], streams: int, *, max_age_s: float,
                  channel_ready: Callable[[], bool], rng: random.Random | None = None) -> None:
         if streams < 1:
             raise ValueError(f"streams: {streams} must be >= 1")
         if max_age_s <= 0:
             raise ValueError(f"max_age_s: {max_age_s} must be positive")
-        self._stub = stub
+        self._open_stream = open_stream
         self._streams: list[_Stream | None] = [None] * streams
         self._retiring: set[_Stream] = set()
         self._max_age_s = max_age_s
@@ -149,7 +152,7 @@ class Sessions:
             stream = None
         if stream is None or stream.broken:
             life = self._max_age_s * (1 - 0.2 * self._rng.random()) if self._channel_ready() else SETTLE_S
-            stream = _Stream(self._stub.Session(), replace_at=loop.time() + life)
+            stream = _Stream(self._open_stream(), replace_at=loop.time() + life)
             self.opened += 1
             stream.reader = loop.create_task(self._read(stream))
             self._streams[slot] = stream
@@ -184,7 +187,7 @@ class Sessions:
                 waiting = stream.pending.get(reply.call_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(reply)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, StreamFailed) as exc:
             failure = _stream_failure(exc)
         except asyncio.CancelledError:
             failure = SessionFailure(grpc.StatusCode.UNAVAILABLE,
@@ -212,13 +215,16 @@ class Sessions:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _stream_failure(exc: grpc.aio.AioRpcError) -> SessionFailure:
+def _stream_failure(exc: grpc.aio.AioRpcError | StreamFailed) -> SessionFailure:
     """A stream's own end, as its calls in flight see it. Refusals of the stream itself keep
     their status (credentials, roles, a service without Session); anything else (the peer
     gone: UNAVAILABLE, CANCELLED, or INTERNAL "Internal error from Core" when the connection
     dies under a read) is UNAVAILABLE: none of those calls was answered, all may be sent again."""
-    code = exc.code()
-    detail = error_detail(exc) or common_pb2.ErrorDetail(message=exc.details() or "")
+    if isinstance(exc, StreamFailed):
+        code, detail = exc.code, exc.detail
+    else:
+        code = exc.code()
+        detail = error_detail(exc) or common_pb2.ErrorDetail(message=exc.details() or "")
     if code not in _STREAM_REFUSALS:
         detail.message = f"{code.name}: {detail.message}"
         code = grpc.StatusCode.UNAVAILABLE

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,19 @@ def identify(auth_context: Mapping[str, list[bytes]], metadata: Any, tokens: Tok
             return Identity(name, roles, "mtls")
     token = _bearer(metadata)
     return tokens.identify(token) if token else None
+
+
+def identify_connection(peer_cert_der: bytes | None, authorization: str, tokens: TokenTable) -> Identity | None:
+    """`identify` for a connection that is not gRPC: the peer certificate its TLS handshake
+    verified (DER), else the `Bearer <token>` it sent."""
+    pems = [ssl.DER_cert_to_PEM_cert(peer_cert_der).encode()] if peer_cert_der else []
+    return identify({"x509_pem_cert": pems}, [("authorization", authorization)], tokens)
+
+
+def act_as(identity: Identity | None) -> None:
+    """Make `identity` what `caller()` returns in this task and in the tasks it starts (a
+    connection's own task, which ends with the connection)."""
+    _CALLER.set(identity)
 
 
 def _bearer(metadata: Any) -> str:

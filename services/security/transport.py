@@ -12,6 +12,9 @@ lists, and a certificate issued for a prefill worker must not pass for the polic
 from __future__ import annotations
 
 import ipaddress
+import os
+import ssl
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,15 +146,44 @@ class TransportSecurity:
         do everything (and the server says so in its log)."""
         return not self.plaintext or bool(self.tokens)
 
+    def check_plaintext(self, host: str, what: str, kind: str) -> None:
+        """Plaintext `what` `host` (e.g. "gRPC on" an interface) is refused unless `host` is
+        loopback or remote plaintext was asked for."""
+        if not (self.allow_remote_plaintext or is_loopback(host)):
+            raise TransportConfigError(
+                f"plaintext {what} {host!r}, not a loopback {kind}: use TLS, or ask for "
+                "--allow-remote-plaintext (KVRELAY_ALLOW_REMOTE_PLAINTEXT=1)", field="plaintext")
+
+    def ssl_context(self, *, server: bool) -> ssl.SSLContext | None:
+        """The same TLS for a connection that is not gRPC (the policy service's framed Session
+        listener): None for plaintext; else TLS 1.2+, peers checked against `root_certs`, this
+        process's certificate presented. A server asks for a client certificate and, under
+        `require_client_cert`, refuses a client without one; a client checks the server's
+        certificate for the name its role's service carries (`server_name`)."""
+        if self.plaintext:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_verify_locations(cadata=self.root_certs.decode("ascii", errors="replace"))
+        if server:
+            context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
+        if self.cert_chain:
+            # The ssl module loads a certificate and its key only from files: a private
+            # directory that lives for the call.
+            with tempfile.TemporaryDirectory(prefix="kvrelay-tls-") as directory:
+                cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+                for path, data in ((cert, self.cert_chain), (key, self.private_key)):
+                    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+                        out.write(data)
+                context.load_cert_chain(cert, key)
+        return context
+
     # -- server side -------------------------------------------------------------------------
 
     def bind(self, server: grpc.aio.Server, address: str, host: str) -> int:
         """Add the listening port; refuses plaintext on a non-loopback interface unless asked."""
         if self.plaintext:
-            if not (self.allow_remote_plaintext or is_loopback(host)):
-                raise TransportConfigError(
-                    f"plaintext gRPC on {host!r}, not a loopback interface: use TLS, or ask for "
-                    "--allow-remote-plaintext (KVRELAY_ALLOW_REMOTE_PLAINTEXT=1)", field="plaintext")
+            self.check_plaintext(host, "gRPC on", "interface")
             return int(server.add_insecure_port(address))
         if not self.cert_chain:
             raise TransportConfigError("a TLS server needs its certificate and key", field="tls_cert")
@@ -166,11 +198,7 @@ class TransportSecurity:
                           options: Sequence[tuple[str, Any]]) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
         """Credentials (None: plaintext) and options for a channel to `peer`'s service."""
         if self.plaintext:
-            host = target_host(target)
-            if not (self.allow_remote_plaintext or is_loopback(host)):
-                raise TransportConfigError(
-                    f"plaintext gRPC to {host!r}, not a loopback address: use TLS, or ask for "
-                    "--allow-remote-plaintext (KVRELAY_ALLOW_REMOTE_PLAINTEXT=1)", field="plaintext")
+            self.check_plaintext(target_host(target), "gRPC to", "address")
             return None, list(options)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=self.root_certs, private_key=self.private_key or None,

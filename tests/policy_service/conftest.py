@@ -1,7 +1,8 @@
 """Fixtures: a real policy service per test (own key prefix) on the shared `redis_server` or,
 where a module parametrizes `redis_url` with "cluster" (indirect), on one local Redis Cluster
 (three masters, three replicas) started once per session; typed clients, and small valid
-manifests from the kvpolicy core."""
+manifests from the kvpolicy core. The service also listens for framed sessions
+(`session_address`)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def redis_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def policy_server(redis_url: str) -> AsyncIterator[PolicyServer]:
-    server = await PolicyServer.start(service_config(redis_url, end_retention_ms=300))
+    server = await PolicyServer.start(service_config(redis_url, end_retention_ms=300, session_port=0))
     yield server
     await server.stop(0)
 

@@ -11,21 +11,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from policy_helpers import digest, service_config
+from policy_helpers import lifecycle, publication, service_config
 
 from policy_service.server import PolicyServer
 from policy_service.service import PolicyServicer
 from policy_service.session import Sessions
 from services.policy import (
     NotFound,
-    Phase,
     PolicyClient,
     PolicyClientConfig,
     PolicyUnavailable,
-    RequestEnded,
-    RequestInvalid,
-    StaleGeneration,
-    StatePublication,
 )
 from services.redis_embedded import EmbeddedRedis
 from services.rpc.kvrelay.v1 import policy_pb2, policy_pb2_grpc
@@ -35,41 +30,8 @@ from services.telemetry.metrics import RPC_REQUESTS
 CALLS = 200
 
 
-def publication(request_id: str, generation: int, parent: int, sha: str, tag: object = "") -> StatePublication:
-    return StatePublication(request_id, generation, parent, parent + 1, parent + 1,
-                            digest(request_id, generation, parent + 1, tag), sha, Phase.PREFILLED)
-
-
 def served(method: str, code: str) -> float:
     return RPC_REQUESTS.labels(f"/kvrelay.v1.PolicyService/{method}", code)._value.get()  # type: ignore[no-any-return]
-
-
-async def lifecycle(client: PolicyClient, request_id: str, sha: str) -> list[object]:
-    """Every per-request call and the errors a client meets, as values to compare."""
-    seen: list[object] = []
-    fence = await client.begin_request(request_id)
-    seen.append((fence.request_generation > 0, fence.phase))  # generations come from the clock
-    result = await client.publish_state(publication(request_id, fence.request_generation, 0, sha))
-    seen.append((result.fence.state_generation, result.already_published))
-    again = await client.publish_state(publication(request_id, fence.request_generation, 0, sha))
-    seen.append((again.fence.state_generation, again.already_published))
-    for bad in (publication(request_id, fence.request_generation, 0, sha, tag="other"),
-                publication(request_id, fence.request_generation + 1, 1, sha)):
-        with pytest.raises(StaleGeneration) as stale:
-            await client.publish_state(bad)
-        seen.append((type(stale.value).__name__, stale.value.field, stale.value.current.state_generation))
-    with pytest.raises(RequestInvalid) as invalid:
-        await client.get_fence("")
-    seen.append(("RequestInvalid", invalid.value.field))
-    with pytest.raises(NotFound) as missing:
-        await client.get_fence(f"{request_id}-never-begun")
-    seen.append(("NotFound", missing.value.field))
-    ended = await client.end_request(request_id, fence.request_generation)
-    seen.append((ended.ended, ended.state_generation))
-    with pytest.raises(RequestEnded) as late:
-        await client.publish_state(publication(request_id, fence.request_generation, 1, sha))
-    seen.append((type(late.value).__name__, late.value.current.phase))
-    return seen
 
 
 async def test_every_call_ends_in_a_session_as_its_unary_twin_does(policy_server: PolicyServer, snapkv_sha: str) -> None:
@@ -87,8 +49,13 @@ async def test_every_call_ends_in_a_session_as_its_unary_twin_does(policy_server
     assert served("PublishState", "FAILED_PRECONDITION") - before[1] == 2 * 3
 
 
-async def test_many_calls_on_one_stream_each_get_their_own_answer(policy_server: PolicyServer, snapkv_sha: str) -> None:
-    async with PolicyClient(PolicyClientConfig(policy_server.address, timeout_s=20.0, session_streams=1)) as client:
+@pytest.mark.parametrize("framed", [False, True], ids=["grpc", "framed"])
+async def test_many_calls_on_one_stream_each_get_their_own_answer(
+    policy_server: PolicyServer, snapkv_sha: str, framed: bool,
+) -> None:
+    config = PolicyClientConfig(policy_server.address, timeout_s=20.0, session_streams=1,
+                                session_target=policy_server.session_address if framed else "")
+    async with PolicyClient(config) as client:
         fences = await asyncio.gather(*(client.begin_request(f"many-{i}") for i in range(CALLS)))
         published = await asyncio.gather(*(
             client.publish_state(publication(f.request_id, f.request_generation, 0, snapkv_sha)) for f in fences))
@@ -178,14 +145,17 @@ async def test_a_call_past_its_deadline_ends_alone_and_the_others_are_answered(
     assert second.get_fence.fence.request_id == "deadline"
 
 
+@pytest.mark.parametrize("framed", [False, True], ids=["grpc", "framed"])
 async def test_a_client_gives_up_at_its_deadline_and_calls_on(
-    policy_server: PolicyServer, redis_server: EmbeddedRedis,
+    policy_server: PolicyServer, redis_server: EmbeddedRedis, framed: bool,
 ) -> None:
     from redis.asyncio import Redis
 
     admin = Redis.from_url(redis_server.url)
+    config = PolicyClientConfig(policy_server.address, timeout_s=5.0, session_streams=1,
+                                session_target=policy_server.session_address if framed else "")
     try:
-        async with PolicyClient(PolicyClientConfig(policy_server.address, timeout_s=5.0, session_streams=1)) as client:
+        async with PolicyClient(config) as client:
             await client.begin_request("gives-up")
             sleeping = asyncio.create_task(admin.execute_command("DEBUG", "SLEEP", "0.6"))
             await asyncio.sleep(0.1)

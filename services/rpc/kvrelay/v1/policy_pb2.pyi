@@ -160,6 +160,18 @@ class SessionReply(_message.Message):
     end_request: EndRequestResponse
     def __init__(self, call_id: _Optional[int] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., begin_request: _Optional[_Union[BeginRequestResponse, _Mapping]] = ..., publish_state: _Optional[_Union[PublishStateResponse, _Mapping]] = ..., get_fence: _Optional[_Union[GetFenceResponse, _Mapping]] = ..., end_request: _Optional[_Union[EndRequestResponse, _Mapping]] = ...) -> None: ...
 
+class SessionHello(_message.Message):
+    __slots__ = ("authorization",)
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    authorization: str
+    def __init__(self, authorization: _Optional[str] = ...) -> None: ...
+
+class SessionWelcome(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: SessionError
+    def __init__(self, error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
 class SessionError(_message.Message):
     __slots__ = ("code", "detail")
     CODE_FIELD_NUMBER: _ClassVar[int]
