@@ -58,6 +58,9 @@ class DecodeWorkerConfig:
     max_new_tokens: int = 4096
     transfer_timeout_s: float = 60.0
     lease_timeout_s: float = 60.0
+    # The policy service replicas' framed Session listeners (`--policy-session-address`,
+    # `services.policy.framed`): the per-request calls without gRPC. Empty: over gRPC.
+    policy_session_address: str = ""
     policy_timeout_s: float = 5.0
     receive_threads: int = 8
     manifest_cache_size: int = 64

@@ -68,7 +68,8 @@ class DecodeWorker:
         scheduler = DecodeScheduler(loaded, config.scheduler)
         scheduler.start()
         policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s,
-                                                 security=config.server.security))
+                                                 security=config.server.security,
+                                                 session_target=config.policy_session_address))
         executor = ThreadPoolExecutor(config.receive_threads, thread_name_prefix="decode-recv")
         servicer = DecodeServicer(config, loaded, scheduler, receiver, policy, executor)
         binding = ServiceBinding(

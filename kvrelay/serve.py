@@ -22,6 +22,7 @@ serve_app = typer.Typer(no_args_is_help=True, help="Run a kvrelay service.")
 def serve_policy(
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_POLICY_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
     port: int = typer.Option(50061, envvar="KVRELAY_POLICY_PORT"),
+    session_port: int = typer.Option(0, envvar="KVRELAY_POLICY_SESSION_PORT", help="Also serve the per-request calls (begin, publish, fence, end) on this port without gRPC: framed Session connections, same TLS and tokens, a fraction of a gRPC message's cost (clients: --policy-session-address). 0: off."),
     redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="redis:// or rediss:// (user:password@ for AUTH/ACL), redis+cluster:// or rediss+cluster:// for a Redis Cluster, redis+sentinel://user:pass@host:port,host:port/MASTER/DB (or rediss+sentinel://; user:pass@ and /DB optional) for the master Redis Sentinel names; unset starts an embedded redis-server."),
     redis_data_dir: Path | None = typer.Option(None, envvar="KVRELAY_REDIS_DATA_DIR", help="Embedded redis only: AOF persistence here."),
     redis_appendfsync: str = typer.Option("everysec", envvar="KVRELAY_REDIS_APPENDFSYNC", help="Embedded redis only: always | everysec | no."),
@@ -68,6 +69,7 @@ def serve_policy(
         default_lease_ms=default_lease_ms,
         end_retention_ms=end_retention_ms,
         deployments=deployments,
+        session_port=session_port or None,
     )
     telemetry = TelemetryConfig("policy", log_level, log_format, metrics_host=host, metrics_port=metrics_port)
     with observed(telemetry):
@@ -82,6 +84,7 @@ def serve_gateway(
     host: str = typer.Option("127.0.0.1", envvar="KVRELAY_GATEWAY_HOST", help="Interface to listen on (0.0.0.0 in a pod)."),
     port: int = typer.Option(50051, envvar="KVRELAY_GATEWAY_PORT"),
     policy_address: str = typer.Option("127.0.0.1:50061", envvar="KVRELAY_POLICY_ADDRESS", help="host:port of the policy service; several replicas: comma-separated IP:port, or dns:///NAME:PORT (round robin)."),
+    policy_session_address: str = typer.Option("", envvar="KVRELAY_POLICY_SESSION_ADDRESS", help="host:port of the policy service's framed Session listener (its --session-port; replicas comma-separated): the per-request policy calls without gRPC. Empty: over gRPC."),
     prefill_workers: str = typer.Option("127.0.0.1:50062", envvar="KVRELAY_PREFILL_WORKERS", help="host:port[,host:port...] or dns:///name:port."),
     decode_workers: str = typer.Option("127.0.0.1:50063", envvar="KVRELAY_DECODE_WORKERS", help="host:port[,host:port...] or dns:///name:port."),
     default_policy: str = typer.Option("snapkv", envvar="KVRELAY_DEFAULT_POLICY", help="Policy of requests that name none."),
@@ -123,6 +126,7 @@ def serve_gateway(
         prefill_workers=WorkerSource.parse(prefill_workers, "prefill_workers"),
         decode_workers=WorkerSource.parse(decode_workers, "decode_workers"),
         policy_address=policy_address,
+        policy_session_address=policy_session_address,
         server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         dtype=dtype,
         default_policy=default_policy,
@@ -157,6 +161,7 @@ def serve_prefill(
     worker_id: str | None = typer.Option(None, envvar="KVRELAY_PREFILL_WORKER_ID", help="Default: prefill-<hostname>-<port>."),
     transfer_host: str | None = typer.Option(None, envvar="KVRELAY_PREFILL_TRANSFER_HOST", help="Address pair groups bind and advertise (the pod IP; default: --host, or this host's address when --host is a wildcard)."),
     policy_address: str = typer.Option("127.0.0.1:50061", envvar="KVRELAY_POLICY_ADDRESS", help="host:port of the policy service; several replicas: comma-separated IP:port, or dns:///NAME:PORT (round robin)."),
+    policy_session_address: str = typer.Option("", envvar="KVRELAY_POLICY_SESSION_ADDRESS", help="host:port of the policy service's framed Session listener (its --session-port; replicas comma-separated): the per-request policy calls without gRPC. Empty: over gRPC."),
     max_in_flight: int = typer.Option(1, envvar="KVRELAY_PREFILL_MAX_IN_FLIGHT", help="Prompts in the pipeline at once."),
     max_queued: int = typer.Option(16, envvar="KVRELAY_PREFILL_MAX_QUEUED", help="Prompts waiting for a slot; beyond: RESOURCE_EXHAUSTED."),
     max_prompt_tokens: int = typer.Option(0, envvar="KVRELAY_MAX_PROMPT_TOKENS", help="0: the model's context length."),
@@ -193,6 +198,7 @@ def serve_prefill(
         worker_id=worker_id or f"prefill-{socket.gethostname()}-{port}",
         server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         policy_address=policy_address,
+        policy_session_address=policy_session_address,
         device=device,
         dtype=dtype,
         chunk_size=chunk_size,
@@ -231,6 +237,7 @@ def serve_decode(
     transfer_host: str | None = typer.Option(None, envvar="KVRELAY_DECODE_TRANSFER_HOST", help="Address the rendezvous store and pair groups bind and advertise (the pod IP; default: --host, or this host's address when --host is a wildcard)."),
     worker_id: str | None = typer.Option(None, envvar="KVRELAY_DECODE_WORKER_ID", help="Default: decode-<hostname>-<port>."),
     policy_address: str = typer.Option("127.0.0.1:50061", envvar="KVRELAY_POLICY_ADDRESS", help="host:port of the policy service; several replicas: comma-separated IP:port, or dns:///NAME:PORT (round robin)."),
+    policy_session_address: str = typer.Option("", envvar="KVRELAY_POLICY_SESSION_ADDRESS", help="host:port of the policy service's framed Session listener (its --session-port; replicas comma-separated): the per-request policy calls without gRPC. Empty: over gRPC."),
     max_batch: int = typer.Option(8, envvar="KVRELAY_DECODE_MAX_BATCH", help="Requests per batched decode step."),
     kv_budget_mib: int = typer.Option(2048, envvar="KVRELAY_DECODE_KV_BUDGET_MIB", help="The KV page pool, allocated at start-up: what accepted transfers may reserve; beyond: RESOURCE_EXHAUSTED."),
     max_new_tokens: int = typer.Option(4096, envvar="KVRELAY_MAX_TOKENS_LIMIT", help="Largest max_tokens a descriptor may ask for."),
@@ -259,6 +266,7 @@ def serve_decode(
     config = DecodeWorkerConfig(
         checkpoint=served_checkpoint(checkpoint),
         policy_address=policy_address,
+        policy_session_address=policy_session_address,
         worker_id=worker_id or f"decode-{socket.gethostname()}-{port}",
         server=ServerConfig(host=host, port=port, max_message_bytes=max_message_bytes, security=security),
         transfer=PairGroupConfig(

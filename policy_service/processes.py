@@ -29,11 +29,13 @@ _STOP_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class PolicyProcess:
-    """One running replica: its gRPC address and /metrics port (0: off)."""
+    """One running replica: its gRPC address, /metrics port (0: off) and framed Session
+    listener's address ("": off)."""
 
     address: str
     metrics_port: int
     process: subprocess.Popen[bytes]
+    session_address: str = ""
 
     def kill(self) -> None:
         """SIGKILL: the replica is gone without draining (what a crashed pod does)."""
@@ -52,29 +54,33 @@ class PolicyProcess:
 
 
 def spawn(redis_url: str, key_prefix: str, security_args: Sequence[str], metrics: bool,
-          extra_args: Sequence[str] = (), port: int = 0) -> PolicyProcess:
+          extra_args: Sequence[str] = (), port: int = 0, framed: bool = False) -> PolicyProcess:
     """Start one `kvrelay serve policy` on free loopback ports, or gRPC on `port` (a replica
-    back on its address), not yet waited for."""
+    back on its address), with a framed Session listener if `framed`; not yet waited for."""
     port, metrics_port = port or free_loopback_port(), free_loopback_port() if metrics else 0
+    session_port = free_loopback_port() if framed else 0
     command = [sys.executable, "-m", "kvrelay", "serve", "policy", "--host", "127.0.0.1",
                "--port", str(port), "--key-prefix", key_prefix, "--metrics-port", str(metrics_port),
-               *security_args, *extra_args]
+               "--session-port", str(session_port), *security_args, *extra_args]
     env = {**os.environ, "REDIS_URL": redis_url}  # not on the command line: it holds the password
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-    return PolicyProcess(f"127.0.0.1:{port}", metrics_port, process)
+    return PolicyProcess(f"127.0.0.1:{port}", metrics_port, process,
+                         f"127.0.0.1:{session_port}" if session_port else "")
 
 
 @contextlib.asynccontextmanager
 async def policy_service_processes(
     redis_url: str, key_prefix: str, count: int = 1, security_args: Sequence[str] = ("--plaintext",),
     security: TransportSecurity | None = None, metrics: bool = False, extra_args: Sequence[str] = (),
+    framed: bool = False,
 ) -> AsyncIterator[list[PolicyProcess]]:
-    """`count` replicas with `security_args` (their transport flags) on one Redis; yields them
-    once each is SERVING to a health check made with `security`; stops every one after."""
+    """`count` replicas with `security_args` (their transport flags) on one Redis, each with a
+    framed Session listener if `framed`; yields them once each is SERVING to a health check
+    made with `security`; stops every one after."""
     replicas: list[PolicyProcess] = []
     try:
         for _ in range(count):
-            replicas.append(spawn(redis_url, key_prefix, security_args, metrics, extra_args))
+            replicas.append(spawn(redis_url, key_prefix, security_args, metrics, extra_args, framed=framed))
         await asyncio.gather(*(wait_serving(r.address, r.process, _START_TIMEOUT_S,
                                             security or TransportSecurity.local_plaintext()) for r in replicas))
         yield replicas

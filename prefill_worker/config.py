@@ -75,6 +75,9 @@ class PrefillWorkerConfig:
     worker_id: str = "prefill-0"
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
     policy_address: str = DEFAULT_POLICY_ADDRESS
+    # The policy service replicas' framed Session listeners (`--policy-session-address`,
+    # `services.policy.framed`): the per-request calls without gRPC. Empty: over gRPC.
+    policy_session_address: str = ""
     policy_timeout_s: float = 5.0
     device: str = "cpu"
     dtype: str | None = None

@@ -85,7 +85,8 @@ class PrefillServer:
             shape = model.config
             profile.check_shape(shape.num_layers, shape.num_q_heads, shape.num_kv_heads)
         policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s,
-                                                 security=config.server.security))
+                                                 security=config.server.security,
+                                                 session_target=config.policy_session_address))
         tier = OffloadTier(config.offload.store(), config.offload.advertise_address)
         handoff = DecodeHandoff(
             KVSender(config.worker_id, config.pair_groups),

@@ -66,6 +66,9 @@ class GatewayConfig:
     # None: the model's context length minus one (room for at least one output token).
     max_prompt_tokens: int | None = None
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    # The policy service replicas' framed Session listeners (`--policy-session-address`,
+    # `services.policy.framed`): the per-request calls without gRPC. Empty: over gRPC.
+    policy_session_address: str = ""
     policy_timeout_s: float = 5.0
     startup_timeout_s: float = 30.0
     manifest_cache_ttl_s: float = 5.0

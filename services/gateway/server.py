@@ -96,7 +96,7 @@ class GatewayServer:
         served = await asyncio.to_thread(ServedModel.read, config.checkpoint, config.dtype)
         security = config.server.security
         policy = PolicyClient(PolicyClientConfig(config.policy_address, timeout_s=config.policy_timeout_s,
-                                                 security=security))
+                                                 security=security, session_target=config.policy_session_address))
         pools = (
             WorkerPool("prefill", PREFILL_SERVICE, config.prefill_workers, config.discovery,
                        max_message_bytes=config.server.max_message_bytes, security=security,
