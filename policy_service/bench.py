@@ -200,17 +200,19 @@ class DirectPublisher:
 class Variant:
     """One way of running the service: `processes` replicas started with `args`."""
 
-    path: str  # "service" | "service-unary" | "service-unpipelined" | "service-no-wait"
+    path: str  # "service" | "service-framed" | "service-unary" | "service-unpipelined" | "service-no-wait"
     processes: int
     args: tuple[str, ...] = ()
     session_streams: int = PolicyClientConfig.session_streams  # the clients'; 0: unary calls
+    framed: bool = False  # the clients' sessions on the replicas' framed listeners
 
 
 def variants(config: BenchConfig, backend: str = "single") -> list[Variant]:
     """The service variants measured on `backend`: each replica count; with `unpipelined`,
     one replica as before pipelining, and on a cluster (whose masters have replicas, so a
     mutation WAITs for one) one replica acknowledging without WAIT: the cost of WAIT."""
-    found = [Variant("service", n) for n in config.processes]
+    found = [Variant(path, n, framed=framed) for path, framed in (("service-framed", True), ("service", False))
+             for n in config.processes]
     if config.unpipelined:
         found.append(Variant("service-unary", 1, session_streams=0))
         found.append(Variant("service-unpipelined", 1, ("--no-redis-pipelining",), session_streams=0))
@@ -220,10 +222,12 @@ def variants(config: BenchConfig, backend: str = "single") -> list[Variant]:
 
 
 async def bench_service(config: BenchConfig, variant: Variant, target: str, clients: int,
-                        manifest_json: bytes, floor: bool) -> list[Measurement]:
+                        manifest_json: bytes, floor: bool, session_target: str = "") -> list[Measurement]:
     """PublishState and GetFence of `clients` closed-loop clients (each its own channel, as
-    each gateway or worker has) at `target`; with `floor`, a health check of it too."""
-    policy_clients = [PolicyClient(PolicyClientConfig(target, timeout_s=10.0, session_streams=variant.session_streams))
+    each gateway or worker has) at `target` (their sessions at `session_target` if set); with
+    `floor`, a health check of it too."""
+    policy_clients = [PolicyClient(PolicyClientConfig(target, timeout_s=10.0, session_streams=variant.session_streams,
+                                                      session_target=session_target))
                       for _ in range(clients)]
     try:
         sha = (await policy_clients[0].register_manifest(manifest_json)).ref.sha256
@@ -438,15 +442,23 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
     results: list[Measurement] = []
     try:
         backend = "cluster" if is_cluster_url(redis_url) else "single"
-        for index, variant in enumerate(variants(config, backend)):
+        measured = variants(config, backend)
+        floor = next(v for v in measured if not v.framed)  # the first gRPC variant: a health check too
+        for variant in measured:
+            if variant.framed and config.target is not None:
+                continue  # a running service's framed listener is not known here
             async with contextlib.AsyncExitStack() as stack:
-                target = config.target
+                target, session_target = config.target, ""
                 if target is None:
                     replicas = await stack.enter_async_context(policy_service_processes(
-                        redis_url, config.key_prefix, variant.processes, extra_args=variant.args))
+                        redis_url, config.key_prefix, variant.processes, extra_args=variant.args,
+                        framed=variant.framed))
                     target = ",".join(replica.address for replica in replicas)
+                    session_target = ",".join(replica.session_address for replica in replicas if variant.framed)
                 for clients in config.concurrency:
-                    results += await bench_service(config, variant, target, clients, manifest_json, floor=index == 0)
+                    results += await bench_service(config, variant, target, clients, manifest_json,
+                                                   floor=variant is floor,
+                                                   session_target=session_target)
         keys = KeySchema(config.key_prefix)
         sha = hashlib.sha256(manifest_json).hexdigest()
         for clients in config.concurrency:

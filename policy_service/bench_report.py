@@ -17,9 +17,9 @@ from policy_service.bench import OPERATIONS, BenchRun, Measurement
 MONOTONICITY_TEST = ("tests/policy_service/test_policy_cluster.py::"
                      "test_request_generation_increases_across_key_expiry_and_loss")
 ISSUE_BASELINE_OPS = 1150  # PublishState at 64 clients when issue 21 was filed
-SERVICE_PATHS = ("service", "service-unary", "service-unpipelined", "service-no-wait", "store-in-process",
+SERVICE_PATHS = ("service-framed", "service", "service-unary", "service-unpipelined", "service-no-wait", "store-in-process",
                  "store-in-process-unpipelined")
-_SUFFIX = {"service": "", "service-unary": ", unary calls (no Session)",
+_SUFFIX = {"service": ", gRPC Session", "service-framed": ", framed sessions (no gRPC)", "service-unary": ", unary calls (no Session)",
            "service-unpipelined": ", unary, unpipelined (before)", "service-no-wait": ", no WAIT"}
 _STORE = {"store-in-process": "store in-process (no gRPC)",
           "store-in-process-unpipelined": "store in-process, unpipelined"}
@@ -117,7 +117,28 @@ def goal_lines(results: Sequence[Measurement]) -> list[str]:
     if new and two:
         lines.append(f"- Two processes at {top} clients: {two.ops_per_s:.0f} ops/s (x{two.ops_per_s / new.ops_per_s:.2f} "
                      "one process).")
-    return lines + wait_cost_lines(results)
+    return lines + framed_lines(results) + wait_cost_lines(results)
+
+
+def framed_lines(results: Sequence[Measurement]) -> list[str]:
+    """The framed Session listener against the gRPC Session and the direct script (one Redis)."""
+    lines = []
+    top = max((m.clients for m in results if m.path == "service-framed"), default=0)
+    for operation in OPERATIONS:
+        framed = _find(results, backend="single", path="service-framed", processes=1, operation=operation, clients=1)
+        grpc = _find(results, backend="single", path="service", processes=1, operation=operation, clients=1)
+        direct = _find(results, backend="single", path="redis-direct", operation=operation, clients=1)
+        if framed and direct:
+            versus = f", gRPC Session {grpc.p50_ms:.3f} ms" if grpc else ""
+            lines.append(f"- Framed sessions, one client, {operation} p50: {framed.p50_ms:.3f} ms, direct script "
+                         f"{direct.p50_ms:.3f} ms (ratio {framed.p50_ms / direct.p50_ms:.2f}; goal <= 2){versus}.")
+        saturated = _find(results, backend="single", path="service-framed", processes=1, operation=operation,
+                          clients=top)
+        grpc_top = _find(results, backend="single", path="service", processes=1, operation=operation, clients=top)
+        if saturated and grpc_top:
+            lines.append(f"- Framed sessions, {top} clients, one process, {operation}: {saturated.ops_per_s:.0f} ops/s, "
+                         f"gRPC Session {grpc_top.ops_per_s:.0f} (x{saturated.ops_per_s / grpc_top.ops_per_s:.2f}).")
+    return lines
 
 
 def wait_cost_lines(results: Sequence[Measurement]) -> list[str]:

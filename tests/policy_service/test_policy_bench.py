@@ -66,12 +66,18 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
             ("cluster", "service", 1, "GetFence", 64, 3000, 12.0),
             ("cluster", "service", 1, "PublishState", 16, 900, 4.0),
             ("cluster", "service-no-wait", 1, "PublishState", 16, 1000, 3.5),
+            ("single", "service-framed", 1, "PublishState", 1, 1500, 0.7),
+            ("single", "service-framed", 1, "PublishState", 64, 4800, 12.0),
         ]
     ]
     failover = FailoverResult(requests=8, acknowledged=80, read_back=80, missing=0, torn=0,
                               acknowledged_while_unreplicated=0, resumed=30, retries=5, failover_s=2.0)
     text = render_markdown(BenchRun(results, failover), "kvrelay bench policy --scale", "2 CPUs")
-    assert "| single | 2 processes | PublishState | 64 | 3600 |" in text
+    assert "| single | 2 processes, gRPC Session | PublishState | 64 | 3600 |" in text
+    assert "| single | 1 process, framed sessions (no gRPC) | PublishState | 64 | 4800 |" in text
+    assert "Framed sessions, one client, PublishState p50: 0.700 ms, direct script 0.400 ms (ratio 1.75; " \
+           "goal <= 2), gRPC Session 1.000 ms" in text
+    assert "Framed sessions, 64 clients, one process, PublishState: 4800 ops/s, gRPC Session 2400 (x2.00)" in text
     assert "| single | 1 process, unary, unpipelined (before) | PublishState | 64 | 1200 |" in text
     assert "| single | 1 process, unary calls (no Session) | PublishState | 64 | 1600 |" in text
     assert "(ratio 2.50; goal <= 2); unary calls (no Session) 1.600 ms" in text
@@ -84,9 +90,10 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
 
 def test_the_variants_are_the_replica_counts_and_the_path_before() -> None:
     found = variants(BenchConfig(processes=(1, 2), unpipelined=True))
-    assert [(v.path, v.processes, v.args, v.session_streams) for v in found] == [
-        ("service", 1, (), 2), ("service", 2, (), 2), ("service-unary", 1, (), 0),
-        ("service-unpipelined", 1, ("--no-redis-pipelining",), 0)]
+    assert [(v.path, v.processes, v.args, v.session_streams, v.framed) for v in found] == [
+        ("service-framed", 1, (), 2, True), ("service-framed", 2, (), 2, True),
+        ("service", 1, (), 2, False), ("service", 2, (), 2, False), ("service-unary", 1, (), 0, False),
+        ("service-unpipelined", 1, ("--no-redis-pipelining",), 0, False)]
     on_cluster = variants(BenchConfig(unpipelined=True), "cluster")
     assert [(v.path, v.args) for v in on_cluster][-1] == ("service-no-wait", ("--redis-wait-replicas", "0"))
     with pytest.raises(ValueError, match="target"):
@@ -102,8 +109,9 @@ async def test_bench_runs_end_to_end_with_two_replicas_on_one_redis_and_on_a_clu
     paths = {(m.backend, m.operation, m.path, m.processes) for m in run.measurements}
     for backend in ("single", "cluster"):
         for operation in ("PublishState", "GetFence"):
-            assert {(backend, operation, "service", 2), (backend, operation, "redis-direct", 1),
+            assert {(backend, operation, "service", 2), (backend, operation, "service-framed", 2),
+                    (backend, operation, "redis-direct", 1),
                     (backend, operation, "redis-cli-pipe", 1)} <= paths
         assert (backend, "Health", "service", 2) in paths
     assert all(m.ops > 0 and m.ops_per_s > 0 for m in run.measurements)
-    assert len(report_rows(run.measurements)) == 2 * 3 and run.failover is None
+    assert len(report_rows(run.measurements)) == 2 * 5 and run.failover is None
