@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from urllib.parse import urlsplit, urlunsplit
@@ -177,8 +178,7 @@ class PolicyServer:
         `session_target`."""
         if self.framed is None:
             return ""
-        host = self.config.server.host
-        return f"[{host}]:{self.framed.port}" if ":" in host else f"{host}:{self.framed.port}"
+        return dataclasses.replace(self.config.server, port=self.framed.port).bind_address
 
     @classmethod
     async def start(cls, config: PolicyServiceConfig) -> PolicyServer:
@@ -230,8 +230,8 @@ class PolicyServer:
         replica), close Redis connections, stop the embedded redis-server (AOF flushed)."""
         self.servicer.sessions.drain()
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
-        await asyncio.gather(self.rpc.stop(grace_s),
-                             self.framed.stop(grace) if self.framed is not None else asyncio.sleep(0))
+        stops = [self.rpc.stop(grace), *([self.framed.stop(grace)] if self.framed is not None else [])]
+        await asyncio.gather(*stops)
         await self.recovery.stop()
         await self.recovery.store.scripts.aclose()
         await close_client(self.redis)

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import itertools
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 
@@ -24,7 +25,7 @@ from services.rpc.kvrelay.v1 import common_pb2, policy_pb2
 from services.security.roles import Role
 from services.security.transport import TransportSecurity, server_name, target_host
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a SessionError's code
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
@@ -98,7 +99,7 @@ class FramedConnector:
             raise StreamFailed(grpc.StatusCode.UNAVAILABLE, f"policy session at {host}:{port}: {exc}") from None
         if welcome.HasField("error"):
             writer.close()
-            code = _CODES.get(welcome.error.code, grpc.StatusCode.UNKNOWN)
+            code = STATUS_CODES.get(welcome.error.code, grpc.StatusCode.UNKNOWN)
             raise StreamFailed(code, welcome.error.detail.message, welcome.error.detail)
         return reader, writer
 
@@ -107,13 +108,15 @@ class FramedStream:
     """One framed connection with a grpc.aio stream call's shape: `write`, `done_writing`,
     `cancel`, and async iteration over the replies (StreamFailed when it breaks)."""
 
-    def __init__(self, connect: asyncio.Future[Connection] | object, max_frame_bytes: int) -> None:
-        self._opening: asyncio.Task[Connection] = asyncio.ensure_future(connect)  # type: ignore[arg-type]
+    def __init__(self, connect: Coroutine[Any, Any, Connection], max_frame_bytes: int) -> None:
+        self._opening = asyncio.ensure_future(connect)
         self._opening.add_done_callback(_retrieve)
         self._max_frame_bytes = max_frame_bytes
         self._cancelled = False
 
     async def _connection(self) -> Connection:
+        if self._opening.done() and not self._opening.cancelled() and self._opening.exception() is None:
+            return self._opening.result()  # every call after the first: no shield future
         try:
             return await asyncio.shield(self._opening)
         except asyncio.CancelledError:

@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 from opentelemetry.trace import SpanKind
 
-from services.policy.framed import StreamFailed
+from services.policy.framed import STATUS_CODES, StreamFailed
 from services.rpc.errors import error_detail
 from services.rpc.kvrelay.v1 import common_pb2, policy_pb2
 from services.telemetry.spans import inject_context, rpc_span
@@ -53,7 +53,6 @@ from services.telemetry.tracing import tracing_enabled
 METHODS = {"begin_request": "BeginRequest", "publish_state": "PublishState", "get_fence": "GetFence",
            "end_request": "EndRequest"}
 _SERVICE = "/kvrelay.v1.PolicyService/"
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _STREAM_REFUSALS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.UNIMPLEMENTED})
 _WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, StreamFailed)
@@ -139,7 +138,7 @@ class Sessions:
         finally:
             stream.pending.pop(call_id, None)
         if reply.HasField("error"):
-            code = _CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
+            code = STATUS_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
             raise SessionFailure(code, reply.error.detail)
         return getattr(reply, kind)
 
