@@ -64,7 +64,8 @@ def up(
     threads: int = typer.Option(1, help="torch threads per service."),
     redis_url: str | None = typer.Option(None, envvar="REDIS_URL", help="Use this Redis instead of an embedded one."),
     log_dir: Path | None = typer.Option(None, help="Service logs (default: a new temporary directory)."),
-    base_port: int = typer.Option(50051, help="Gateway port; policy +10, prefill +11, decode +12 (rendezvous +13), extra workers and policy replicas +10 each."),
+    base_port: int = typer.Option(50051, help="Gateway port; policy +10 (its framed sessions +14), prefill +11, decode +12 (rendezvous +13), extra workers and policy replicas +10 each."),
+    policy_sessions: bool = typer.Option(True, help="The per-request policy calls (begin, publish, fence, end) on the policy service's framed sessions (base port +14), not gRPC: same TLS and tokens, a fraction of the cost."),
     metrics_base_port: int = typer.Option(9091, help="Gateway /metrics port; policy +1, prefill +2, decode +3, extra workers and policy replicas +10 each (0: metrics off)."),
     http_port: int | None = typer.Option(None, help="The gateway's OpenAI-compatible HTTP API (default: base port + 1; 0: off)."),
     tls: bool = typer.Option(False, "--tls", help="Mutual TLS between every service, with a development CA and certificates (`kvrelay certs`) in --tls-dir."),
@@ -82,7 +83,7 @@ def up(
     certs = (tls_dir or Path(tempfile.mkdtemp(prefix="kvrelay-certs-"))) if tls else None
     config = StackConfig.with_counts(
         served_checkpoint(checkpoint), prefill=prefill, decode=decode, policy_replicas=policy_replicas,
-        base_port=base_port, dtype=dtype,
+        policy_sessions=policy_sessions, base_port=base_port, dtype=dtype,
         threads=threads, redis_url=redis_url, log_dir=log_dir, metrics_base_port=metrics_base_port,
         **({} if http_port is None else {"http_port": http_port}),
         tls_dir=certs,

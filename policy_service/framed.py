@@ -81,7 +81,7 @@ class FramedListener:
         peer = writer.get_extra_info("peername")
         try:
             if await self._admit(reader, writer):
-                async with contextlib.aclosing(self.sessions.serve(self._calls(reader, peer))) as replies:
+                async with contextlib.aclosing(self.sessions.serve(self._calls(reader, peer), "framed")) as replies:
                     async for reply in replies:
                         writer.write(frame(reply))
                         await writer.drain()

@@ -44,7 +44,7 @@ from services.rpc.errors import (
 )
 from services.rpc.kvrelay.v1 import common_pb2, policy_pb2
 from services.security.access import authorize_within, caller
-from services.telemetry.metrics import observe_rpc
+from services.telemetry.metrics import POLICY_SESSIONS, POLICY_SESSIONS_OPEN, observe_rpc
 from services.telemetry.spans import rpc_span
 from services.telemetry.tracing import tracing_enabled
 
@@ -71,8 +71,10 @@ class Sessions:
         """Stop reading every stream (also those opened later); answer what was read."""
         self._draining.set()
 
-    async def serve(self, calls: AsyncIterator[policy_pb2.SessionCall]) -> AsyncGenerator[policy_pb2.SessionReply, None]:
-        """The replies to `calls`, each as soon as its call is done."""
+    async def serve(self, calls: AsyncIterator[policy_pb2.SessionCall],
+                    transport: str = "grpc") -> AsyncGenerator[policy_pb2.SessionReply, None]:
+        """The replies to `calls`, each as soon as its call is done; counted in
+        `kvrelay_policy_sessions*` under `transport` ("grpc" or "framed")."""
         replies: asyncio.Queue[policy_pb2.SessionReply | None] = asyncio.Queue()  # None: look again
         slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
@@ -99,6 +101,9 @@ class Sessions:
 
         reader = asyncio.create_task(read())
         drain = asyncio.create_task(stop_reading_on_drain())
+        POLICY_SESSIONS.labels(transport).inc()
+        open_now = POLICY_SESSIONS_OPEN.labels(transport)
+        open_now.inc()
         try:
             while reading or running or not replies.empty():
                 reply = await replies.get()
@@ -108,6 +113,7 @@ class Sessions:
                 elif not reading and running:  # the reader ended: wait for the last answers
                     await asyncio.wait(set(running))
         finally:
+            open_now.dec()
             for task in (drain, reader, *running):
                 task.cancel()
             await asyncio.gather(drain, reader, *running, return_exceptions=True)

@@ -86,6 +86,10 @@ class StackConfig:
     # Replicas 1.. of the policy service (replica 0 on `policy_port`); empty: one service with
     # its own embedded Redis, as before.
     policy_replica_ports: tuple[int, ...] = ()
+    # Each policy replica's framed Session listener (`--session-port`), in `policy_ports`'s
+    # order: the gateway and the workers make their per-request policy calls (begin, publish,
+    # fence, end) there, without gRPC (`--policy-session-address`). Empty: over gRPC.
+    policy_session_ports: tuple[int, ...] = ()
     prefill_ports: tuple[int, ...] = (50062,)
     decode_ports: tuple[WorkerPorts, ...] = (WorkerPorts(50063, 50064),)
     redis_url: str | None = None
@@ -113,7 +117,10 @@ class StackConfig:
     def __post_init__(self) -> None:
         if not self.prefill_ports or not self.decode_ports:
             raise ValueError("prefill_ports/decode_ports: a stack needs at least one of each worker")
-        ports = [self.gateway_port, *self.policy_ports, *self.prefill_ports,
+        if self.policy_session_ports and len(self.policy_session_ports) != len(self.policy_ports):
+            raise ValueError(f"policy_session_ports: one per policy replica ({len(self.policy_ports)}), "
+                             f"got {len(self.policy_session_ports)}")
+        ports = [self.gateway_port, *self.policy_ports, *self.policy_session_ports, *self.prefill_ports,
                  *(p for w in self.decode_ports for p in (w.grpc, w.rendezvous)),
                  *([self.http_port] if self.http_port else [])]
         if any(not 0 < p < 65536 for p in ports):
@@ -132,32 +139,39 @@ class StackConfig:
 
     @classmethod
     def with_free_ports(
-        cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, policy_replicas: int = 1, **overrides: object
+        cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, policy_replicas: int = 1,
+        policy_sessions: bool = True, **overrides: object
     ) -> StackConfig:
-        """A config on free loopback ports (tests, demos, benchmarks next to a running stack)."""
+        """A config on free loopback ports (tests, demos, benchmarks next to a running stack);
+        with `policy_sessions`, the per-request policy calls on framed sessions."""
         _check_replicas(policy_replicas)
-        ports = _free_ports(2 + prefill + 2 * decode + policy_replicas - 1)
+        fixed = 2 + prefill + 2 * decode + policy_replicas - 1
+        ports = _free_ports(fixed + (policy_replicas if policy_sessions else 0))
+        overrides.setdefault("policy_session_ports", tuple(ports[fixed:]))
         return cls(
             checkpoint=checkpoint,
             gateway_port=ports[0],
             policy_port=ports[1],
             prefill_ports=tuple(ports[2 : 2 + prefill]),
             decode_ports=tuple(WorkerPorts(ports[2 + prefill + 2 * i], ports[3 + prefill + 2 * i]) for i in range(decode)),
-            policy_replica_ports=tuple(ports[2 + prefill + 2 * decode :]),
+            policy_replica_ports=tuple(ports[2 + prefill + 2 * decode : fixed]),
             **overrides,  # type: ignore[arg-type]
         )
 
     @classmethod
     def with_counts(
         cls, checkpoint: Path, *, prefill: int = 1, decode: int = 1, base_port: int = 50051, policy_replicas: int = 1,
-        **overrides: object,
+        policy_sessions: bool = True, **overrides: object,
     ) -> StackConfig:
         """Ports from `base_port` (the gateway's): its HTTP API +1, policy +10, prefill +11, decode
-        +12 and its rendezvous +13, the i-th extra worker or policy replica of a role 10 * i
-        higher. The default base gives the documented ports 50051 (50052 HTTP), 50061, 50062,
-        50063/50064 (and 50071, 50081, ... for policy replicas 1, 2, ...)."""
+        +12 and its rendezvous +13, the policy service's framed sessions +14 (with
+        `policy_sessions`), the i-th extra worker or policy replica of a role 10 * i higher. The
+        default base gives the documented ports 50051 (50052 HTTP), 50061, 50062, 50063/50064,
+        50065 (and 50071/50075, 50081/50085, ... for policy replicas 1, 2, ...)."""
         _check_replicas(policy_replicas)
         overrides.setdefault("http_port", base_port + 1)
+        if policy_sessions:
+            overrides.setdefault("policy_session_ports", tuple(base_port + 14 + 10 * i for i in range(policy_replicas)))
         return cls(
             checkpoint=checkpoint,
             gateway_port=base_port,
@@ -423,6 +437,12 @@ class Stack:
     def policy_addresses(self) -> list[str]:
         return [self.config.address(port) for port in self.config.policy_ports]
 
+    @property
+    def policy_session_address(self) -> str:
+        """The gateway's and the workers' `--policy-session-address` (every replica's framed
+        Session listener, comma-separated); empty when the stack makes its policy calls over gRPC."""
+        return ",".join(self.config.address(port) for port in self.config.policy_session_ports)
+
     def policy_name(self, index: int) -> str:
         """`policy` for a single policy service, `policy-<index>` for each replica."""
         return f"policy-{index}" if self.config.replicated_policy else "policy"
@@ -566,6 +586,10 @@ class Stack:
         port = 0 if index is None else self.config.metrics_port(role, index)
         return ["--metrics-port", str(port)]
 
+    def _policy_session_args(self) -> list[str]:
+        address = self.policy_session_address
+        return ["--policy-session-address", address] if address else []
+
     def _model_args(self) -> list[str]:
         args = ["--checkpoint", str(self.config.checkpoint)]
         return args + (["--dtype", self.config.dtype] if self.config.dtype else [])
@@ -583,7 +607,8 @@ class Stack:
         port = self.config.policy_ports[index]
         # The checkpoint too: the policy service refuses manifests the workers cannot run.
         args = [*self._model_args(), "--host", self.config.host, "--port", str(port),
-                "--manifest-journal", str(self.manifest_journal_of(index))]
+                "--manifest-journal", str(self.manifest_journal_of(index)),
+                "--session-port", str(self.config.policy_session_ports[index] if self.config.policy_session_ports else 0)]
         service = self._service(self.policy_name(index), "policy", port, args, index)
         if self.redis is not None:
             # Not `--redis-url` on the command line: the URL holds the password.
@@ -611,7 +636,7 @@ class Stack:
 
     def _prefill_service(self, name: str, port: int, index: int | None = None, extra: Sequence[str] = ()) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(port),
-                "--policy-address", self.policy_address, "--worker-id", name]
+                "--policy-address", self.policy_address, *self._policy_session_args(), "--worker-id", name]
         return self._service(name, "prefill", port, args, index, extra)
 
     def _decode(self, index: int, ports: WorkerPorts) -> ServiceProcess:
@@ -620,12 +645,13 @@ class Stack:
     def _decode_service(self, name: str, ports: WorkerPorts, index: int | None = None) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(ports.grpc),
                 "--transfer-port", str(ports.rendezvous), "--policy-address", self.policy_address,
+                *self._policy_session_args(),
                 "--worker-id", name]
         return self._service(name, "decode", ports.grpc, args, index)
 
     def _gateway(self) -> ServiceProcess:
         args = [*self._model_args(), "--host", self.config.host, "--port", str(self.config.gateway_port),
-                "--policy-address", self.policy_address,
+                "--policy-address", self.policy_address, *self._policy_session_args(),
                 "--prefill-workers", ",".join(self.prefill_addresses),
                 "--decode-workers", ",".join(self.decode_addresses)]
         if self.config.http_port:

@@ -10,6 +10,7 @@ defaults gateway 9091, policy 9092, prefill 9093, decode 9094; 0 turns the endpo
 | rpc_requests_total, rpc_duration_seconds     | all              | served calls by method and status code  |
 | stale_rejections_total{stage}                | prefill, decode, policy | work refused for an older generation |
 | policy_undecodable_entries_total             | policy           | manifest index entries a listing skipped |
+| policy_sessions_total{transport}, policy_sessions_open{transport} | policy | Session streams opened / open: grpc, framed |
 | gateway_ttft_seconds, gateway_tpot_seconds   | gateway          | as the client sees the stream           |
 | gateway_requests_in_flight, gateway_retries_total | gateway     | load and retries on other workers       |
 | http_requests_total{route,status}, http_request_duration_seconds{route} | gateway | the OpenAI-compatible HTTP front (a stream: until its last event) |
@@ -92,6 +93,10 @@ POLICY_UNDECODABLE_ENTRIES = _unregistered(
     Counter, "kvrelay_policy_undecodable_entries",
     "Manifest index entries in Redis that a listing skipped because they do not decode (each time;"
     " a non-zero rate means a bad entry is still there)")
+POLICY_SESSIONS = _unregistered(Counter, "kvrelay_policy_sessions",
+                                "Session streams opened, by transport (grpc, framed)", ("transport",))
+POLICY_SESSIONS_OPEN = _unregistered(Gauge, "kvrelay_policy_sessions_open",
+                                     "Session streams open now, by transport (grpc, framed)", ("transport",))
 
 GATEWAY_TTFT = _unregistered(Histogram, "kvrelay_gateway_ttft_seconds",
                              "Time to first token, from accepting the request", buckets=LATENCY_BUCKETS)
@@ -177,7 +182,7 @@ _TRANSFER: tuple[Collector, ...] = (TRANSFER_BYTES, TRANSFER_SECONDS, PAIR_GROUP
 ROLE_FAMILIES: dict[str, tuple[Collector, ...]] = {
     "gateway": (GATEWAY_TTFT, GATEWAY_TPOT, GATEWAY_IN_FLIGHT, GATEWAY_WAITING, GATEWAY_RETRIES, HTTP_REQUESTS,
                 HTTP_DURATION),
-    "policy": (STALE_REJECTIONS, POLICY_UNDECODABLE_ENTRIES),
+    "policy": (STALE_REJECTIONS, POLICY_UNDECODABLE_ENTRIES, POLICY_SESSIONS, POLICY_SESSIONS_OPEN),
     "prefill": (STALE_REJECTIONS, PREFILL_STAGE, PREFILL_IN_FLIGHT, PREFILL_QUEUE_DEPTH, KV_ROWS, KV_BYTES,
                 OFFLOAD_STORE_BYTES, OFFLOAD_REFUSALS, OFFLOAD_RELEASED, OFFLOAD_RECALLS_SERVED, *_TRANSFER),
     "decode": (STALE_REJECTIONS, DECODE_REJECTED, DECODE_ACTIVE, DECODE_WAITING, DECODE_KV_RESERVED, DECODE_KV_ALLOCATED,

@@ -41,6 +41,10 @@ PORT_PARAMS = ("port", "transfer_port", "metrics_port")
 # Where compose and the Kubernetes overlays serve the gateway's OpenAI-compatible HTTP API
 # (`--http-port`; the CLI's default is 0, off).
 GATEWAY_HTTP_PORT = 8000
+# Where they serve the policy service's framed Session listener (`--session-port`; the CLI's
+# default is 0, off) and where the gateway and workers make their per-request policy calls
+# (`--policy-session-address`).
+POLICY_SESSION_PORT = 50065
 
 
 # ---- the CLI as data ----

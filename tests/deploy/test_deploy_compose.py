@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from deploy_helpers import (
     COMPOSE_SECRETS_SCRIPT,
     GATEWAY_HTTP_PORT,
+    POLICY_SESSION_PORT,
     PORT_PARAMS,
     REPO,
     copy_with_secrets,
@@ -136,6 +137,12 @@ def test_addresses_point_at_services_listening_there() -> None:
                 assert port == listen_port(services[host]), f"{var}: {host} listens on {listen_port(services[host])}"
                 seen.add(var)
     assert seen == set(address_roles)
+    # Every policy client makes its per-request calls on the framed sessions the policy serves.
+    policy = services[by_role["policy"]]
+    assert policy["environment"]["KVRELAY_POLICY_SESSION_PORT"] == str(POLICY_SESSION_PORT)
+    for role in ("gateway", "prefill", "decode"):
+        address = services[by_role[role]]["environment"]["KVRELAY_POLICY_SESSION_ADDRESS"]
+        assert host_port(address) == (by_role["policy"], POLICY_SESSION_PORT), f"{role}: {address}"
     gateway = services[by_role["gateway"]]
     assert gateway["environment"]["KVRELAY_PREFILL_WORKERS"].startswith("dns:///"), "scaled workers are found by DNS"
     assert gateway["environment"]["KVRELAY_DECODE_WORKERS"].startswith("dns:///")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from deploy_helpers import (
     DOCKERFILES,
+    POLICY_SESSION_PORT,
     REPO,
     default_ports,
     dockerignore_patterns,
@@ -125,7 +126,8 @@ def test_entry_point_and_default_command_resolve(dockerfile: Path) -> None:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_exposed_ports_are_the_services_defaults(dockerfile: Path) -> None:
     exposed = {int(port) for e in final_stage(dockerfile).each("EXPOSE") for port in e.value.split()}
-    assert exposed == {port for ports in default_ports().values() for port in ports.values()}
+    served = {port for ports in default_ports().values() for port in ports.values()}
+    assert exposed == served | {POLICY_SESSION_PORT}  # the policy's framed sessions, where deployments serve them
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

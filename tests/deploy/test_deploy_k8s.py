@@ -30,6 +30,7 @@ from deploy_helpers import (
     GATEWAY_HTTP_PORT,
     K8S_SECRETS_SCRIPT,
     OVERLAYS,
+    POLICY_SESSION_PORT,
     REDIS_CLUSTER_OVERLAYS,
     REPO,
     copy_with_secrets,
@@ -235,7 +236,10 @@ def test_roles_listen_on_the_cli_default_ports_everywhere(rendered, overlay: str
             assert declared["transfer"] == ports["transfer_port"]
         assert declared["metrics"] == ports["metrics_port"]
         http = {GATEWAY_HTTP_PORT} if role == "gateway" else set()
-        assert set(declared.values()) == set(ports.values()) | http
+        sessions = {POLICY_SESSION_PORT} if role == "policy" else set()
+        assert set(declared.values()) == set(ports.values()) | http | sessions
+        if role == "policy":
+            assert declared["sessions"] == int(values["KVRELAY_POLICY_SESSION_PORT"]) == POLICY_SESSION_PORT
         if role == "gateway":
             assert declared["http"] == int(values["KVRELAY_GATEWAY_HTTP_PORT"]) == GATEWAY_HTTP_PORT
             assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
@@ -275,6 +279,11 @@ def test_settings_are_all_consumed_and_addresses_reach_the_right_role(rendered, 
         if role != "policy":
             assert settings[var].startswith("dns:///"), f"{var}: the gateway discovers worker pods by DNS"
             assert service["spec"]["clusterIP"] == "None", f"{service['metadata']['name']} must be headless"
+    # The per-request policy calls: the framed sessions of every policy pod (headless: the
+    # name resolves to each pod, and the client opens its streams on them in turn).
+    service, workload, port = service_target(objects, *host_port(settings["KVRELAY_POLICY_SESSION_ADDRESS"]))
+    assert workload is role_container(objects, "policy")[0] and port == POLICY_SESSION_PORT
+    assert service["spec"]["clusterIP"] == "None"
     _, _, transfer = service_target(objects, "kvrelay-decode", default_ports()["decode"]["transfer_port"])
     assert transfer == default_ports()["decode"]["transfer_port"]
     _, jaeger, otlp = service_target(objects, *host_port(settings["OTEL_EXPORTER_OTLP_ENDPOINT"]))

@@ -14,6 +14,7 @@ from deploy_helpers import (
     GATEWAY_HTTP_PORT,
     K8S_SECRETS_SCRIPT,
     OVERLAYS,
+    POLICY_SESSION_PORT,
     REPO,
     copy_with_secrets,
     default_ports,
@@ -129,6 +130,8 @@ def design_edges(pair_range: str, redis_cluster: bool = False) -> set[Edge]:
         ("decode", "prefill", pair),
         ("policy", REDIS_CLUSTER if redis_cluster else "redis", "TCP/6379"),
     }
+    # Each policy client's per-request calls: the policy service's framed sessions.
+    edges |= {(role, "policy", tcp(POLICY_SESSION_PORT)) for role in ("gateway", "prefill", "decode")}
     edges |= {(role, "jaeger", "TCP/4317") for role in KVRELAY_ROLES}
     edges |= {(MONITORING, role, tcp(default_ports()[role]["metrics_port"])) for role in KVRELAY_ROLES}
     own_redis = () if redis_cluster else ("redis",)
@@ -146,7 +149,7 @@ def pair_group_range(objects: list[Obj]) -> str:
     assert len(ranges) == 1, f"prefill and decode pin different ranges: {ranges}"
     (found,) = ranges
     first, last = map(int, found.split("-"))
-    service_ports = {p for role in default_ports().values() for p in role.values()} | {6379, 4317}
+    service_ports = {p for role in default_ports().values() for p in role.values()} | {6379, 4317, POLICY_SESSION_PORT}
     assert not any(first <= p <= last for p in service_ports), "a listening port inside the ephemeral range"
     return found
 

@@ -1,6 +1,6 @@
 """`kvrelay up --policy-replicas 2` (issue 21): two policy-service processes on the one
 redis-server the launcher runs, the gateway and the workers given both addresses (round
-robin). Real Generate requests keep running while one replica is SIGKILLed: none fails; the
+robin) and both framed Session listeners, where their per-request calls go. Real Generate requests keep running while one replica is SIGKILLed: none fails; the
 supervisor restarts the replica and the stack keeps serving. The redis-server SIGKILLed in
 turn comes back empty and every replica has the manifests again (from its journal); SIGTERM
 stops everything, the redis-server last."""
@@ -66,7 +66,7 @@ def free_base_port_from(start: int) -> int:
     for base in range(start, 60000, 97):
         with contextlib.ExitStack() as sockets:
             try:
-                for port in range(base, base + 24):
+                for port in range(base, base + 26):
                     sockets.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue
@@ -74,16 +74,21 @@ def free_base_port_from(start: int) -> int:
     return free_base_port()
 
 
-def served_calls(metrics_port: int) -> float:
-    """Policy calls (unary or in a Session) a replica answered OK, from its /metrics (0 while
-    it cannot answer)."""
+def metric(metrics_port: int, family: str, *labels: str) -> float:
+    """The sum of a replica's `family` samples whose labels contain each of `labels`, from its
+    /metrics (0 while it cannot answer)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as reply:  # noqa: S310
             text = reply.read().decode()
     except OSError:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("kvrelay_rpc_requests_total") and "PolicyService/" in line and '"OK"' in line)
+               if line.startswith(family + "{") and all(label in line for label in labels))
+
+
+def served_calls(metrics_port: int) -> float:
+    """Policy calls (unary or in a Session) a replica answered OK."""
+    return metric(metrics_port, "kvrelay_rpc_requests_total", "PolicyService/", '"OK"')
 
 
 class Load:
@@ -155,6 +160,11 @@ def test_requests_ride_through_a_killed_policy_replica(checkpoint: Path, tmp_pat
             # The replica that serves the most is lost: it has calls in flight (Session streams
             # may pin a client to one replica), so the kill is one the clients must ride out.
             served = [served_calls(metrics + 1 + 10 * i) for i in range(2)]
+            # The per-request calls ride the replicas' framed sessions (base +14, +24), not gRPC.
+            streams = {transport: [metric(metrics + 1 + 10 * i, "kvrelay_policy_sessions_total",
+                                          f'transport="{transport}"') for i in range(2)]
+                       for transport in ("framed", "grpc")}
+            assert sum(streams["framed"]) >= 1 and sum(streams["grpc"]) == 0, streams
             lost = served.index(max(served))
             name, victim = f"policy-{lost}", pids[f"policy-{lost}"]
             assert served[lost] > 0, served

@@ -27,7 +27,7 @@ from services.security.certs import default_bundle
 from services.security.roles import Role
 from services.security.tokens import new_token
 from services.security.transport import TransportConfigError, TransportSecurity
-from services.telemetry.metrics import RPC_REQUESTS
+from services.telemetry.metrics import POLICY_SESSIONS, POLICY_SESSIONS_OPEN, RPC_REQUESTS
 
 CALLS = 200
 
@@ -37,6 +37,12 @@ def framed(server: PolicyServer, **values: object) -> PolicyClient:
     return PolicyClient(config)
 
 
+def sessions(transport: str) -> tuple[float, float]:
+    """(Session streams opened, open now) over `transport`, from the service's metrics."""
+    return (POLICY_SESSIONS.labels(transport)._value.get(),  # type: ignore[no-any-return]
+            POLICY_SESSIONS_OPEN.labels(transport)._value.get())
+
+
 def served(method: str, code: str) -> float:
     return RPC_REQUESTS.labels(f"/kvrelay.v1.PolicyService/{method}", code)._value.get()  # type: ignore[no-any-return]
 
@@ -44,11 +50,15 @@ def served(method: str, code: str) -> float:
 @pytest.mark.parametrize("redis_url", BACKENDS, indirect=True)
 async def test_every_call_ends_over_frames_as_over_grpc(policy_server: PolicyServer, snapkv_sha: str) -> None:
     before = served("PublishState", "OK")
+    opened = {transport: sessions(transport)[0] for transport in ("framed", "grpc")}
     async with framed(policy_server, timeout_s=5.0, session_streams=1) as fast, \
             PolicyClient(PolicyClientConfig(policy_server.address, timeout_s=5.0, session_streams=1)) as grpc_session:
         over_frames = await lifecycle(fast, "framed-twin", snapkv_sha)
         over_grpc = await lifecycle(grpc_session, "grpc-twin", snapkv_sha)
         assert fast._sessions is not None and fast._sessions.opened == 1  # one connection served all
+        # The operator sees which transport each client took: one stream each, open.
+        assert {t: sessions(t)[0] - opened[t] for t in opened} == {"framed": 1, "grpc": 1}
+        assert sessions("framed")[1] >= 1 and sessions("grpc")[1] >= 1
     assert over_frames == over_grpc
     assert served("PublishState", "OK") - before == 2 * 2  # counted under the method's name
     assert policy_server.framed is not None and policy_server.framed.connections >= 1

@@ -25,13 +25,20 @@ def test_default_ports_are_the_documented_ones() -> None:
     assert (shifted.gateway_port, shifted.policy_port, shifted.prefill_ports) == (41000, 41010, (41011,))
     assert (config.http_port, shifted.http_port) == (50052, 41001)  # the gateway's HTTP API
     assert StackConfig.with_free_ports(Path("ckpt")).http_port == 0  # off unless asked for
+    # The policy service's framed sessions: +14, and 10 higher for each replica.
+    assert config.policy_session_ports == (50065,) and shifted.policy_session_ports == (41014,)
+    replicated = StackConfig.with_counts(Path("ckpt"), policy_replicas=3)
+    assert replicated.policy_ports == (50061, 50071, 50081)
+    assert replicated.policy_session_ports == (50065, 50075, 50085)
+    assert StackConfig.with_counts(Path("ckpt"), policy_sessions=False).policy_session_ports == ()
 
 
 def test_free_ports_are_distinct() -> None:
-    config = StackConfig.with_free_ports(Path("ckpt"), prefill=2, decode=3)
-    ports = [config.gateway_port, config.policy_port, *config.prefill_ports,
+    config = StackConfig.with_free_ports(Path("ckpt"), prefill=2, decode=3, policy_replicas=2)
+    ports = [config.gateway_port, *config.policy_ports, *config.policy_session_ports, *config.prefill_ports,
              *(p for w in config.decode_ports for p in (w.grpc, w.rendezvous))]
-    assert len(set(ports)) == len(ports) == 10
+    assert len(set(ports)) == len(ports) == 13
+    assert StackConfig.with_free_ports(Path("ckpt"), policy_sessions=False).policy_session_ports == ()
 
 
 @pytest.mark.parametrize("overrides", [
@@ -39,6 +46,8 @@ def test_free_ports_are_distinct() -> None:
     {"decode_ports": (WorkerPorts(50061, 50064),)},  # collides with the policy port
     {"gateway_port": 0},
     {"threads": 0},
+    {"policy_session_ports": (50065, 50075)},  # two listeners for one policy service
+    {"policy_session_ports": (50062,)},  # the prefill worker's port
 ])
 def test_invalid_configs_name_the_field(overrides: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="ports|threads"):
@@ -59,6 +68,15 @@ def test_services_are_launched_with_consistent_flags(tmp_path: Path) -> None:
     assert decode[decode.index("--transfer-port") + 1] == "50074"
     assert decode[decode.index("--policy-address") + 1] == "127.0.0.1:50061"
     assert gateway.log_path == tmp_path / "gateway.log"
+    # Every policy client makes its per-request calls on the framed sessions the policy serves.
+    policy = list(stack._policy().argv)
+    assert policy[policy.index("--session-port") + 1] == "50065"
+    for argv in (gateway.argv, decode, stack._prefill(0, 50062).argv):
+        assert argv[list(argv).index("--policy-session-address") + 1] == "127.0.0.1:50065"
+    over_grpc = Stack(StackConfig.with_counts(Path("/ckpt"), policy_sessions=False, log_dir=tmp_path))
+    policy = list(over_grpc._policy().argv)
+    assert policy[policy.index("--session-port") + 1] == "0"
+    assert "--policy-session-address" not in over_grpc._gateway().argv
 
 
 def test_demo_checkpoint_path_matches_the_model_runtime() -> None:
