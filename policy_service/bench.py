@@ -20,7 +20,8 @@ Session ("service-unary"), and one the way the service ran before automatic pipe
 (one Redis round trip per call, `--no-redis-pipelining`), so all are measured in the same run, and on the cluster
 one replica that acknowledges without waiting for a Redis replica (the cost of WAIT); `Health` (a gRPC
 health check of the same process: no policy code, no Redis) is the floor a gRPC call to it
-costs. With `unpipelined`, on one Redis, the store itself is measured in this process too
+costs; `Refused` (a GetFence whose request id the service refuses before Redis, through the
+same client on a framed session) is the floor of a framed call: every layer but the store. With `unpipelined`, on one Redis, the store itself is measured in this process too
 (`store.publish_state` / `get_fence`, no gRPC), pipelined and not: what pipelining cuts from
 the Redis side of a call. `failover` adds the failover drill (`policy_service.failover`) on a cluster of its
 own. Reports: `policy_service.bench_report`.
@@ -58,9 +59,11 @@ from services.redis_embedded import (
     EmbeddedRedisError,
     find_redis_server,
 )
+from services.rpc.errors import InvalidArgument
 
 Operation = Callable[[], Awaitable[object]]
 OPERATIONS = ("PublishState", "GetFence")
+REFUSED_ID = "-not-a-request-id"  # request ids start with a letter or digit
 BACKENDS = ("single", "cluster")
 LEASE_MS = 10 * 60 * 1000
 
@@ -158,6 +161,16 @@ def receipt(request_id: str, state: int) -> str:
     return hashlib.sha256(f"{request_id}:{state}".encode()).hexdigest()
 
 
+async def refused(client: PolicyClient) -> None:
+    """A GetFence the service answers INVALID_ARGUMENT without a Redis call (no such id can
+    be valid): the session, the dispatch and the error path, not the store."""
+    try:
+        await client.get_fence(REFUSED_ID)
+    except InvalidArgument:
+        return
+    raise RuntimeError("the service accepted a request id it must refuse")
+
+
 class ServicePublisher:
     """Publishes successive states of its own request through the policy client: PREFILLED
     ones, what a prefill worker publishes (the role a TLS service checks)."""
@@ -225,7 +238,7 @@ async def bench_service(config: BenchConfig, variant: Variant, target: str, clie
                         manifest_json: bytes, floor: bool, session_target: str = "") -> list[Measurement]:
     """PublishState and GetFence of `clients` closed-loop clients (each its own channel, as
     each gateway or worker has) at `target` (their sessions at `session_target` if set); with
-    `floor`, a health check of it too."""
+    `floor`, a health check of it too (over gRPC) or a call refused before Redis (framed)."""
     policy_clients = [PolicyClient(PolicyClientConfig(target, timeout_s=10.0, session_streams=variant.session_streams,
                                                       session_target=session_target))
                       for _ in range(clients)]
@@ -239,7 +252,9 @@ async def bench_service(config: BenchConfig, variant: Variant, target: str, clie
                              for c, f in zip(policy_clients, fences, strict=True)],
             "GetFence": readers,
         }
-        if floor:
+        if floor and session_target:
+            operations["Refused"] = [functools.partial(refused, c) for c in policy_clients]
+        elif floor:
             operations["Health"] = [c.check_serving for c in policy_clients]
         results = []
         for name, loops in operations.items():
@@ -443,7 +458,8 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
     try:
         backend = "cluster" if is_cluster_url(redis_url) else "single"
         measured = variants(config, backend)
-        floor = next(v for v in measured if not v.framed)  # the first gRPC variant: a health check too
+        # The first gRPC variant and the first framed one: the floor of a call to them too.
+        floors = {next(v for v in measured if not v.framed), next((v for v in measured if v.framed), None)}
         for variant in measured:
             if variant.framed and config.target is not None:
                 continue  # a running service's framed listener is not known here
@@ -457,7 +473,7 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
                     session_target = ",".join(replica.session_address for replica in replicas if variant.framed)
                 for clients in config.concurrency:
                     results += await bench_service(config, variant, target, clients, manifest_json,
-                                                   floor=variant is floor,
+                                                   floor=variant in floors,
                                                    session_target=session_target)
         keys = KeySchema(config.key_prefix)
         sha = hashlib.sha256(manifest_json).hexdigest()

@@ -34,7 +34,7 @@ def variant_label(m: Measurement) -> str:
 
 def report_rows(results: Sequence[Measurement]) -> list[dict[str, object]]:
     """One row per service measurement: ours, the direct script at the same backend,
-    operation and clients (None for Health), and the pipe ceiling."""
+    operation and clients (None for Health and Refused), and the pipe ceiling."""
     by_key = {(m.backend, m.operation, m.path, m.clients): m for m in results}
     rows: list[dict[str, object]] = []
     for m in results:
@@ -124,6 +124,12 @@ def framed_lines(results: Sequence[Measurement]) -> list[str]:
     """The framed Session listener against the gRPC Session and the direct script (one Redis)."""
     lines = []
     top = max((m.clients for m in results if m.path == "service-framed"), default=0)
+    floor = _find(results, backend="single", path="service-framed", processes=1, operation="Refused", clients=1)
+    direct = _find(results, backend="single", path="redis-direct", operation="GetFence", clients=1)
+    if floor and direct:
+        lines.append(f"- Framed sessions, one client, a call refused before Redis (every layer but the store): "
+                     f"p50 {floor.p50_ms:.3f} ms, {floor.p50_ms / direct.p50_ms:.2f}x the direct GetFence script "
+                     f"({direct.p50_ms:.3f} ms).")
     for operation in OPERATIONS:
         framed = _find(results, backend="single", path="service-framed", processes=1, operation=operation, clients=1)
         grpc = _find(results, backend="single", path="service", processes=1, operation=operation, clients=1)
@@ -161,7 +167,9 @@ def render_markdown(run: BenchRun, command: str, host: str) -> str:
         f"Command: `{command}` (one run). Host: {host}. Cluster: three masters with a replica",
         "each, all on this host (`services.redis_cluster`). `direct`: the same Lua script called",
         "straight from Python (redis-py) at the same concurrency; `Health`: a gRPC health check of",
-        "the same service process (no policy code, no Redis): the floor of a call to it.", "",
+        "the same service process (no policy code, no Redis): the floor of a call to it;",
+        "`Refused`: a GetFence the service refuses before Redis (an impossible request id), through",
+        "the same client on a framed session: the floor of a framed call.", "",
         "| redis | service | op | clients | ops/s | p50 ms | p99 ms | direct ops/s | direct p50 ms"
         " | direct p99 ms | ours/direct | redis-cli --pipe ops/s |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
