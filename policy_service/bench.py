@@ -21,7 +21,9 @@ Session ("service-unary"), and one the way the service ran before automatic pipe
 one replica that acknowledges without waiting for a Redis replica (the cost of WAIT); `Health` (a gRPC
 health check of the same process: no policy code, no Redis) is the floor a gRPC call to it
 costs; `Refused` (a GetFence whose request id the service refuses before Redis, through the
-same client on a framed session) is the floor of a framed call: every layer but the store. With `unpipelined`, on one Redis, the store itself is measured in this process too
+same client on a framed session) is the floor of a framed call: every layer but the store; `Echo`
+(a frame to a bare echo process, `policy_service.frame_echo`) the floor of any framed round trip
+between two Python processes on the host. With `unpipelined`, on one Redis, the store itself is measured in this process too
 (`store.publish_state` / `get_fence`, no gRPC), pipelined and not: what pipelining cuts from
 the Redis side of a call. `failover` adds the failover drill (`policy_service.failover`) on a cluster of its
 own. Reports: `policy_service.bench_report`.
@@ -38,6 +40,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -53,6 +56,7 @@ from policy_service.failover import FailoverResult, failover_drill
 from policy_service.processes import policy_service_process, policy_service_processes
 from policy_service.store import KeySchema, PolicyStore, RedisClient
 from services.policy import Phase, PolicyClient, PolicyClientConfig, StatePublication
+from services.policy.framing import frame, read_frame
 from services.redis_cluster import EmbeddedRedisCluster
 from services.redis_embedded import (
     EmbeddedRedis,
@@ -60,10 +64,12 @@ from services.redis_embedded import (
     find_redis_server,
 )
 from services.rpc.errors import InvalidArgument
+from services.rpc.kvrelay.v1 import policy_pb2
 
 Operation = Callable[[], Awaitable[object]]
 OPERATIONS = ("PublishState", "GetFence")
 REFUSED_ID = "-not-a-request-id"  # request ids start with a letter or digit
+ECHO_START_TIMEOUT_S = 30.0
 BACKENDS = ("single", "cluster")
 LEASE_MS = 10 * 60 * 1000
 
@@ -263,6 +269,42 @@ async def bench_service(config: BenchConfig, variant: Variant, target: str, clie
     finally:
         await asyncio.gather(*(c.close() for c in policy_clients))
     return results
+
+
+async def bench_echo(config: BenchConfig) -> Measurement:
+    """One client's round trips to a bare frame echo in another process (a GetFence call's
+    frame, no session): the floor of a framed call on this host."""
+    echo = subprocess.Popen([sys.executable, "-m", "policy_service.frame_echo"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    writer: asyncio.StreamWriter | None = None
+    try:
+        assert echo.stdout is not None
+        ready = await asyncio.wait_for(asyncio.to_thread(echo.stdout.readline), ECHO_START_TIMEOUT_S)
+        word, _, port = ready.partition(" ")
+        if word != "ready" or not port.strip().isdigit():
+            raise RuntimeError(f"the frame echo did not start (exit code {echo.poll()})")
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", int(port)), ECHO_START_TIMEOUT_S)
+        call = frame(policy_pb2.SessionCall(call_id=1, timeout_ms=10_000,
+                                            get_fence=policy_pb2.GetFenceRequest(request_id="bench-echo")))
+
+        async def round_trip() -> None:
+            assert writer is not None
+            writer.write(call)
+            async with asyncio.timeout(ECHO_START_TIMEOUT_S):
+                await read_frame(reader, len(call))
+
+        return measurement("Echo", "frame-echo", 1, 1, await closed_loop([round_trip], config.seconds, config.warmup_s))
+    finally:
+        if writer is not None:
+            writer.close()
+        with contextlib.suppress(OSError):
+            if echo.stdin is not None:
+                echo.stdin.close()  # the echo's end
+        try:
+            echo.wait(timeout=ECHO_START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            echo.kill()
+            echo.wait()
 
 
 async def bench_direct(config: BenchConfig, redis: RedisClient, keys: KeySchema, clients: int, sha: str) -> list[Measurement]:
@@ -483,6 +525,8 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
                 for pipelining in (True, False):
                     results += await bench_store(config, redis_url, clients, manifest_json, pipelining)
         results += await bench_pipe(config, redis, redis_url, sha)
+        if backend == "single" and config.target is None:
+            results.append(await bench_echo(config))
     finally:
         await redis.aclose()
     return results

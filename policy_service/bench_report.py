@@ -126,6 +126,11 @@ def framed_lines(results: Sequence[Measurement]) -> list[str]:
     top = max((m.clients for m in results if m.path == "service-framed"), default=0)
     floor = _find(results, backend="single", path="service-framed", processes=1, operation="Refused", clients=1)
     direct = _find(results, backend="single", path="redis-direct", operation="GetFence", clients=1)
+    echo = _find(results, backend="single", path="frame-echo", operation="Echo", clients=1)
+    if echo and direct:
+        lines.append(f"- A bare frame round trip to an echo process (no session, no policy code, no Redis): "
+                     f"p50 {echo.p50_ms:.3f} ms, {echo.p50_ms / direct.p50_ms:.2f}x the direct GetFence script: "
+                     f"a call through any Python service costs this on top of its Redis call.")
     if floor and direct:
         lines.append(f"- Framed sessions, one client, a call refused before Redis (every layer but the store): "
                      f"p50 {floor.p50_ms:.3f} ms, {floor.p50_ms / direct.p50_ms:.2f}x the direct GetFence script "
@@ -169,7 +174,8 @@ def render_markdown(run: BenchRun, command: str, host: str) -> str:
         "straight from Python (redis-py) at the same concurrency; `Health`: a gRPC health check of",
         "the same service process (no policy code, no Redis): the floor of a call to it;",
         "`Refused`: a GetFence the service refuses before Redis (an impossible request id), through",
-        "the same client on a framed session: the floor of a framed call.", "",
+        "the same client on a framed session: the floor of a framed call; `Echo`: a frame's round",
+        "trip to a bare echo process (`policy_service.frame_echo`), the floor of any framed call.", "",
         "| redis | service | op | clients | ops/s | p50 ms | p99 ms | direct ops/s | direct p50 ms"
         " | direct p99 ms | ours/direct | redis-cli --pipe ops/s |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",

@@ -114,5 +114,6 @@ async def test_bench_runs_end_to_end_with_two_replicas_on_one_redis_and_on_a_clu
                     (backend, operation, "redis-cli-pipe", 1)} <= paths
         assert (backend, "Health", "service", 2) in paths
         assert (backend, "Refused", "service-framed", 2) in paths  # answered, refused, before Redis
+    assert ("single", "Echo", "frame-echo", 1) in paths and ("cluster", "Echo", "frame-echo", 1) not in paths
     assert all(m.ops > 0 and m.ops_per_s > 0 for m in run.measurements)
     assert len(report_rows(run.measurements)) == 2 * 6 and run.failover is None
