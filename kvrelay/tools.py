@@ -228,9 +228,10 @@ def bench_policy(
         unpipelined=unpipelined or scale, failover=failover or scale,
     )
     report = report or (Path("docs/results/policy-scale.md") if scale else None)
-    import os
 
-    load = os.getloadavg()[0]  # the host is often shared: say how busy it was
+    from services.benchmark.host import HostLoad
+
+    load = HostLoad.start()  # the host is often shared: say how busy it was
     results = asyncio.run(run_bench(config))
     print_report(results, json_out)
     if report is not None:
@@ -238,7 +239,7 @@ def bench_policy(
 
         from policy_service.bench_report import render_markdown, write_plot
 
-        host = f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start"
+        host = load.describe()
         report.parent.mkdir(parents=True, exist_ok=True)
         plot = write_plot(results.measurements, report.with_suffix(".png"))
         text = render_markdown(results, "kvrelay " + " ".join(sys.argv[1:]), host)
@@ -250,17 +251,17 @@ def _bench_policy_tls(counts: tuple[int, ...], seconds: float, rounds: int, redi
                       handshakes: int, markdown: Path) -> None:
     """`kvrelay bench policy --tls`."""
     import asyncio
-    import os
     import sys
 
     from policy_service.tls_bench import TlsBenchConfig, render_markdown, run_tls_bench, write_plot
 
     config = TlsBenchConfig(concurrency=counts, seconds=seconds, rounds=rounds,
                             handshake_channels=handshakes, redis_url=redis_url)
-    load = os.getloadavg()[0]
+    from services.benchmark.host import HostLoad
+
+    load = HostLoad.start()
     result = asyncio.run(run_tls_bench(config))
-    report = render_markdown(config, result, "kvrelay " + " ".join(sys.argv[1:]),
-                             f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start")
+    report = render_markdown(config, result, "kvrelay " + " ".join(sys.argv[1:]), load.describe())
     markdown.parent.mkdir(parents=True, exist_ok=True)
     plot = write_plot(result, markdown.with_suffix(".png"))
     markdown.write_text(f"{report}\n![throughput and p50 per transport]({plot.name})\n")
@@ -347,7 +348,6 @@ def bench_tls(
     markdown: Path = typer.Option(Path("docs/results/tls-gateway.md"), help="Write the Markdown report here."),
 ) -> None:
     """TTFT and TPOT through the gateway: a plaintext and a mutual-TLS stack, same prompts."""
-    import os
     import sys
 
     from services.launcher.tls_bench import (
@@ -363,10 +363,11 @@ def bench_tls(
     served = served_checkpoint(None) if smollm2 else checkpoint or DEMO_CHECKPOINT
     config = TlsE2EConfig(checkpoint=served, prompts=prompts, pairs=pairs, warmup=warmup,
                           context=context, max_tokens=max_tokens, policy=policy, threads=threads)
-    load = os.getloadavg()[0]
+    from services.benchmark.host import HostLoad
+
+    load = HostLoad.start()
     results = run_tls_e2e_bench(config)
-    report = render_markdown(config, results, "kvrelay " + " ".join(sys.argv[1:]),
-                             f"{os.cpu_count()} CPUs, loopback, 1-min load average {load:.1f} at the start")
+    report = render_markdown(config, results, "kvrelay " + " ".join(sys.argv[1:]), load.describe())
     markdown.parent.mkdir(parents=True, exist_ok=True)
     plot = write_plot(results, markdown.with_suffix(".png"))
     markdown.write_text(f"{report}\n![p50 TTFT and TPOT per transport]({plot.name})\n")
