@@ -148,7 +148,8 @@ class Acceptor:
             self._executor, self._receiver.start_recv, handoff.descriptor, deadline
         )
         try:
-            return await asyncio.wait_for(asyncio.shield(future), deadline.remaining())
+            async with asyncio.timeout(deadline.remaining()):  # not wait_for: on 3.11 it can swallow a cancel
+                return await asyncio.shield(future)
         except TimeoutError:
             future.add_done_callback(_cancel_orphan)
             late = "receives not posted by the transfer deadline"

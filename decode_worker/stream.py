@@ -156,7 +156,8 @@ async def _wait_verified(transfer: Transfer, policy_timeout_s: float) -> Decodin
     """The transfer's decoding once verified; its failure if it was rejected or abandoned."""
     timeout = transfer.accepted.deadline.remaining() + 2 * policy_timeout_s
     try:
-        await asyncio.wait_for(transfer.settled(), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancel
+            await transfer.settled()
     except TimeoutError:
         raise TransferFailed(f"not verified within {timeout:.1f} s", field="transfer") from None
     decoding = transfer.decoding
@@ -168,6 +169,7 @@ async def _wait_verified(transfer: Transfer, policy_timeout_s: float) -> Decodin
 
 async def _next_event(decoding: Decoding, timeout_s: float) -> DecodeEvent:
     try:
-        return await asyncio.wait_for(decoding.events.get(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancel
+            return await decoding.events.get()
     except TimeoutError:
         raise DecodeAborted(f"no token for {timeout_s} s", field="decode") from None

@@ -279,11 +279,13 @@ async def bench_echo(config: BenchConfig) -> Measurement:
     writer: asyncio.StreamWriter | None = None
     try:
         assert echo.stdout is not None
-        ready = await asyncio.wait_for(asyncio.to_thread(echo.stdout.readline), ECHO_START_TIMEOUT_S)
+        async with asyncio.timeout(ECHO_START_TIMEOUT_S):
+            ready = await asyncio.to_thread(echo.stdout.readline)
         word, _, port = ready.partition(" ")
         if word != "ready" or not port.strip().isdigit():
             raise RuntimeError(f"the frame echo did not start (exit code {echo.poll()})")
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", int(port)), ECHO_START_TIMEOUT_S)
+        async with asyncio.timeout(ECHO_START_TIMEOUT_S):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(port))
         call = frame(policy_pb2.SessionCall(call_id=1, timeout_ms=10_000,
                                             get_fence=policy_pb2.GetFenceRequest(request_id="bench-echo")))
 

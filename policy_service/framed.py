@@ -71,7 +71,8 @@ class FramedListener:
             await asyncio.gather(*late, return_exceptions=True)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -91,7 +92,8 @@ class FramedListener:
             self._open.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    await writer.wait_closed()
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Read the hello, answer the welcome; whether the connection was admitted. The

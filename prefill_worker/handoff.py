@@ -186,7 +186,8 @@ class DecodeHandoff:
         )
         timeout_s = self._call_timeout(deadline)
         try:
-            return await asyncio.wait_for(asyncio.shield(reserving), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancel
+                return await asyncio.shield(reserving)
         except TimeoutError:
             reserving.add_done_callback(self._give_back)
             store = endpoint.rendezvous_address

@@ -288,7 +288,8 @@ class Orchestrator:
         where = f"decode worker {decode.address}"
         error: ServiceError
         try:
-            event = await asyncio.wait_for(call.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancel
+                event = await call.read()
         except TimeoutError:  # e.g. a stopped worker: skip it until it answers a health check
             which = "token" if clock.tokens else "first event"
             error = Unavailable(f"{where}: no {which} within {timeout_s:g} s")
