@@ -204,6 +204,7 @@ def bench_policy(
     processes: str = typer.Option("1", help="Comma-separated policy-service replica counts, each measured behind one round-robin target."),
     unpipelined: bool = typer.Option(False, help="Also one replica without automatic Redis pipelining (the path before)."),
     failover: bool = typer.Option(False, help="Also the failover drill: kill a cluster master mid-publish, read every acknowledged state back."),
+    paired_rounds: int = typer.Option(4, min=0, help="One client, framed sessions vs the direct script in alternating ABBA rounds of --seconds/2 each, pooled (0: off)."),
     scale: bool = typer.Option(False, "--scale", help="Issue 21's run: single and cluster, 1 and 2 processes, the unpipelined path, the failover drill (--report default docs/results/policy-scale.md)."),
     report: Path | None = typer.Option(None, help="Also write a Markdown summary here."),
 ) -> None:
@@ -225,7 +226,7 @@ def bench_policy(
         pipe_commands=pipe_commands,
         backends=("single", "cluster") if scale else tuple(backend),
         processes=(1, 2) if scale else tuple(int(n) for n in processes.split(",")),
-        unpipelined=unpipelined or scale, failover=failover or scale,
+        unpipelined=unpipelined or scale, failover=failover or scale, paired_rounds=paired_rounds,
     )
     report = report or (Path("docs/results/policy-scale.md") if scale else None)
 

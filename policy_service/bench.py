@@ -90,6 +90,9 @@ class BenchConfig:
     processes: tuple[int, ...] = (1,)  # policy-service replicas behind one target, each in turn
     unpipelined: bool = False  # also one replica without automatic pipelining (as before)
     failover: bool = False  # also the failover drill, on an embedded cluster of its own
+    # One client, framed sessions against the direct script in alternating rounds (ABBA),
+    # each `seconds / 2` long: the ratio a shared host's drift does not skew. 0: off.
+    paired_rounds: int = 4
 
     def __post_init__(self) -> None:
         if not self.processes or min(self.processes) < 1 or max(self.processes) > 8:
@@ -103,6 +106,8 @@ class BenchConfig:
             raise ValueError("backends: one Redis URL is one backend")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency: {self.concurrency} must be positive client counts")
+        if self.paired_rounds < 0:
+            raise ValueError(f"paired_rounds: {self.paired_rounds} must be >= 0")
         if self.pipe_commands < 1:
             raise ValueError(f"pipe_commands: {self.pipe_commands} must be positive")
         if self.seconds <= 0 or self.warmup_s < 0:
@@ -269,6 +274,44 @@ async def bench_service(config: BenchConfig, variant: Variant, target: str, clie
     finally:
         await asyncio.gather(*(c.close() for c in policy_clients))
     return results
+
+
+async def bench_paired(config: BenchConfig, redis: RedisClient, keys: KeySchema, session_target: str, target: str,
+                       manifest_json: bytes) -> list[Measurement]:
+    """One client's PublishState and GetFence through framed sessions and straight at Redis,
+    in `paired_rounds` rounds of ABBA order (framed, direct, direct, framed; the next round
+    BAAB), each slot `seconds / 2`; latencies pooled per path. Both paths see the same drift
+    of a shared host, so their ratio is the one the goal asks about."""
+    client = PolicyClient(PolicyClientConfig(target, timeout_s=10.0, session_streams=1, session_target=session_target))
+    try:
+        sha = (await client.register_manifest(manifest_json)).ref.sha256
+        stamp = time.monotonic_ns()
+        fence = await client.begin_request(f"paired-framed-{stamp}", lease_ms=LEASE_MS)
+        begin = redis.register_script(lua.load("begin_request"))
+        get_fence = redis.register_script(lua.load("get_fence"))
+        direct_id = f"paired-direct-{stamp}"
+        reply = await begin(keys=list(keys.begin_keys(direct_id)), args=[LEASE_MS])
+        paths: dict[str, dict[str, Operation]] = {
+            "PublishState": {"service-framed-paired": ServicePublisher(client, fence.request_id, fence.request_generation, sha),
+                             "redis-direct-paired": DirectPublisher(redis, keys, direct_id, int(reply[2]), sha)},
+            "GetFence": {"service-framed-paired": functools.partial(client.get_fence, fence.request_id),
+                         "redis-direct-paired": lambda: get_fence(keys=[keys.request(direct_id)])},
+        }
+        results = []
+        for operation, operations in paths.items():
+            framed, direct = operations
+            pooled: dict[str, tuple[int, float, list[float]]] = {path: (0, 0.0, []) for path in operations}
+            for round_ in range(config.paired_rounds):
+                order = (framed, direct, direct, framed) if round_ % 2 == 0 else (direct, framed, framed, direct)
+                for path in order:
+                    calls, seconds, latencies = await closed_loop([operations[path]], config.seconds / 2, config.warmup_s)
+                    total_calls, total_seconds, all_latencies = pooled[path]
+                    pooled[path] = (total_calls + calls, total_seconds + seconds, all_latencies + latencies)
+            results += [measurement(operation, path, 1, 1, (calls, seconds, sorted(latencies)))
+                        for path, (calls, seconds, latencies) in pooled.items()]
+        return results
+    finally:
+        await client.close()
 
 
 async def bench_echo(config: BenchConfig) -> Measurement:
@@ -519,6 +562,9 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
                     results += await bench_service(config, variant, target, clients, manifest_json,
                                                    floor=variant in floors,
                                                    session_target=session_target)
+                if variant.framed and variant.processes == 1 and config.paired_rounds and backend == "single":
+                    results += await bench_paired(config, redis, KeySchema(config.key_prefix), session_target, target,
+                                                  manifest_json)
         keys = KeySchema(config.key_prefix)
         sha = hashlib.sha256(manifest_json).hexdigest()
         for clients in config.concurrency:

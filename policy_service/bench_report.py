@@ -131,6 +131,15 @@ def framed_lines(results: Sequence[Measurement]) -> list[str]:
         lines.append(f"- A bare frame round trip to an echo process (no session, no policy code, no Redis): "
                      f"p50 {echo.p50_ms:.3f} ms, {echo.p50_ms / direct.p50_ms:.2f}x the direct GetFence script: "
                      f"a call through any Python service costs this on top of its Redis call.")
+    for operation in OPERATIONS:
+        paired = _find(results, backend="single", path="service-framed-paired", operation=operation)
+        paired_direct = _find(results, backend="single", path="redis-direct-paired", operation=operation)
+        if paired and paired_direct:
+            lines.append(f"- **Paired** (one client, framed sessions and the direct script in alternating ABBA "
+                         f"rounds, pooled: the ratio the host's drift does not skew), {operation} p50: "
+                         f"{paired.p50_ms:.3f} ms vs {paired_direct.p50_ms:.3f} ms direct "
+                         f"(ratio {paired.p50_ms / paired_direct.p50_ms:.2f}; goal <= 2); p99 {paired.p99_ms:.3f} "
+                         f"vs {paired_direct.p99_ms:.3f} ms.")
     if floor and direct:
         lines.append(f"- Framed sessions, one client, a call refused before Redis (every layer but the store): "
                      f"p50 {floor.p50_ms:.3f} ms, {floor.p50_ms / direct.p50_ms:.2f}x the direct GetFence script "

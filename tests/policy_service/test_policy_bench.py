@@ -68,6 +68,8 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
             ("cluster", "service-no-wait", 1, "PublishState", 16, 1000, 3.5),
             ("single", "service-framed", 1, "PublishState", 1, 1500, 0.7),
             ("single", "service-framed", 1, "PublishState", 64, 4800, 12.0),
+            ("single", "service-framed-paired", 1, "GetFence", 1, 1600, 0.6),
+            ("single", "redis-direct-paired", 1, "GetFence", 1, 4000, 0.25),
         ]
     ]
     failover = FailoverResult(requests=8, acknowledged=80, read_back=80, missing=0, torn=0,
@@ -78,6 +80,8 @@ def test_the_markdown_names_variants_goals_failover_and_the_monotonicity_test(tm
     assert "Framed sessions, one client, PublishState p50: 0.700 ms, direct script 0.400 ms (ratio 1.75; " \
            "goal <= 2), gRPC Session 1.000 ms" in text
     assert "Framed sessions, 64 clients, one process, PublishState: 4800 ops/s, gRPC Session 2400 (x2.00)" in text
+    assert "**Paired**" in text and "GetFence p50: 0.600 ms vs 0.250 ms direct (ratio 2.40; goal <= 2)" in text
+    assert "paired" not in "".join(line for line in text.splitlines() if line.startswith("|"))  # not table rows
     assert "| single | 1 process, unary, unpipelined (before) | PublishState | 64 | 1200 |" in text
     assert "| single | 1 process, unary calls (no Session) | PublishState | 64 | 1600 |" in text
     assert "(ratio 2.50; goal <= 2); unary calls (no Session) 1.600 ms" in text
@@ -115,5 +119,19 @@ async def test_bench_runs_end_to_end_with_two_replicas_on_one_redis_and_on_a_clu
         assert (backend, "Health", "service", 2) in paths
         assert (backend, "Refused", "service-framed", 2) in paths  # answered, refused, before Redis
     assert ("single", "Echo", "frame-echo", 1) in paths and ("cluster", "Echo", "frame-echo", 1) not in paths
+    # The paired one-client rounds: only on one Redis, only with one framed process (none here).
+    assert not any(m.path.endswith("-paired") for m in run.measurements)
     assert all(m.ops > 0 and m.ops_per_s > 0 for m in run.measurements)
     assert len(report_rows(run.measurements)) == 2 * 6 and run.failover is None
+
+
+@pytest.mark.slow
+async def test_paired_rounds_time_framed_sessions_and_the_direct_script_alike() -> None:
+    config = BenchConfig(concurrency=(1,), seconds=0.2, warmup_s=0.05, pipe_commands=100, paired_rounds=2)
+    run = await run_bench(config)
+    paired = {(m.operation, m.path): m for m in run.measurements if m.path.endswith("-paired")}
+    assert set(paired) == {(op, path) for op in ("PublishState", "GetFence")
+                           for path in ("service-framed-paired", "redis-direct-paired")}
+    for m in paired.values():  # 2 rounds x 2 slots of 0.1 s each, pooled
+        assert m.clients == 1 and m.ops > 0 and m.seconds == pytest.approx(0.4)
+        assert 0 < m.p50_ms <= m.p99_ms
