@@ -287,28 +287,23 @@ async def bench_paired(config: BenchConfig, redis: RedisClient, keys: KeySchema,
         sha = (await client.register_manifest(manifest_json)).ref.sha256
         stamp = time.monotonic_ns()
         fence = await client.begin_request(f"paired-framed-{stamp}", lease_ms=LEASE_MS)
-        begin = redis.register_script(lua.load("begin_request"))
-        get_fence = redis.register_script(lua.load("get_fence"))
-        direct_id = f"paired-direct-{stamp}"
-        reply = await begin(keys=list(keys.begin_keys(direct_id)), args=[LEASE_MS])
-        paths: dict[str, dict[str, Operation]] = {
-            "PublishState": {"service-framed-paired": ServicePublisher(client, fence.request_id, fence.request_generation, sha),
-                             "redis-direct-paired": DirectPublisher(redis, keys, direct_id, int(reply[2]), sha)},
-            "GetFence": {"service-framed-paired": functools.partial(client.get_fence, fence.request_id),
-                         "redis-direct-paired": lambda: get_fence(keys=[keys.request(direct_id)])},
+        framed: dict[str, Operation] = {
+            "PublishState": ServicePublisher(client, fence.request_id, fence.request_generation, sha),
+            "GetFence": functools.partial(client.get_fence, fence.request_id),
         }
+        direct = await direct_operations(redis, keys, f"paired-direct-{stamp}", sha)
         results = []
-        for operation, operations in paths.items():
-            framed, direct = operations
-            pooled: dict[str, tuple[int, float, list[float]]] = {path: (0, 0.0, []) for path in operations}
+        for operation in OPERATIONS:
+            paths = {"service-framed-paired": framed[operation], "redis-direct-paired": direct[operation]}
+            latencies: dict[str, list[float]] = {path: [] for path in paths}
+            slot_s = config.seconds / 2
             for round_ in range(config.paired_rounds):
-                order = (framed, direct, direct, framed) if round_ % 2 == 0 else (direct, framed, framed, direct)
-                for path in order:
-                    calls, seconds, latencies = await closed_loop([operations[path]], config.seconds / 2, config.warmup_s)
-                    total_calls, total_seconds, all_latencies = pooled[path]
-                    pooled[path] = (total_calls + calls, total_seconds + seconds, all_latencies + latencies)
-            results += [measurement(operation, path, 1, 1, (calls, seconds, sorted(latencies)))
-                        for path, (calls, seconds, latencies) in pooled.items()]
+                order = list(paths) if round_ % 2 == 0 else list(reversed(paths))
+                for path in (*order, *reversed(order)):  # ABBA, then BAAB
+                    latencies[path] += (await closed_loop([paths[path]], slot_s, config.warmup_s))[2]
+            rounds_s = 2 * slot_s * config.paired_rounds
+            results += [measurement(operation, path, 1, 1, (len(found), rounds_s, sorted(found)))
+                        for path, found in latencies.items()]
         return results
     finally:
         await client.close()
@@ -352,21 +347,21 @@ async def bench_echo(config: BenchConfig) -> Measurement:
             echo.wait()
 
 
-async def bench_direct(config: BenchConfig, redis: RedisClient, keys: KeySchema, clients: int, sha: str) -> list[Measurement]:
-    begin = redis.register_script(lua.load("begin_request"))
+async def direct_operations(redis: RedisClient, keys: KeySchema, request_id: str, sha: str) -> dict[str, Operation]:
+    """PublishState and GetFence of a request begun here, each one script call straight at Redis."""
+    reply = await redis.register_script(lua.load("begin_request"))(keys=list(keys.begin_keys(request_id)),
+                                                                  args=[LEASE_MS])
     get_fence = redis.register_script(lua.load("get_fence"))
-    ids = [f"ceiling-{clients}-{i}-{time.monotonic_ns()}" for i in range(clients)]
-    generations = []
-    for rid in ids:
-        reply = await begin(keys=list(keys.begin_keys(rid)), args=[LEASE_MS])
-        generations.append(int(reply[2]))
-    publishers = [DirectPublisher(redis, keys, rid, g, sha) for rid, g in zip(ids, generations, strict=True)]
-    results = [measurement("PublishState", "redis-direct", clients, 1,
-                           await closed_loop(publishers, config.seconds, config.warmup_s))]
-    readers = [lambda rid=rid: get_fence(keys=[keys.request(rid)]) for rid in ids]
-    results.append(measurement("GetFence", "redis-direct", clients, 1,
-                               await closed_loop(readers, config.seconds, config.warmup_s)))
-    return results
+    return {"PublishState": DirectPublisher(redis, keys, request_id, int(reply[2]), sha),
+            "GetFence": lambda: get_fence(keys=[keys.request(request_id)])}
+
+
+async def bench_direct(config: BenchConfig, redis: RedisClient, keys: KeySchema, clients: int, sha: str) -> list[Measurement]:
+    stamp = time.monotonic_ns()
+    loops = [await direct_operations(redis, keys, f"ceiling-{clients}-{i}-{stamp}", sha) for i in range(clients)]
+    return [measurement(operation, "redis-direct", clients, 1,
+                        await closed_loop([ops[operation] for ops in loops], config.seconds, config.warmup_s))
+            for operation in OPERATIONS]
 
 
 async def bench_store(config: BenchConfig, redis_url: str, clients: int, manifest_json: bytes,
@@ -546,7 +541,7 @@ async def bench_backend(config: BenchConfig, redis_url: str) -> list[Measurement
         backend = "cluster" if is_cluster_url(redis_url) else "single"
         measured = variants(config, backend)
         # The first gRPC variant and the first framed one: the floor of a call to them too.
-        floors = {next(v for v in measured if not v.framed), next((v for v in measured if v.framed), None)}
+        floors = [next(v for v in measured if not v.framed), *[v for v in measured if v.framed][:1]]
         for variant in measured:
             if variant.framed and config.target is not None:
                 continue  # a running service's framed listener is not known here
