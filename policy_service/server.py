@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+from collections.abc import Awaitable
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions
@@ -215,8 +216,8 @@ class PolicyServer:
                 await framed.stop(0)
             if recovery is not None:
                 await recovery.stop()
-                await recovery.store.scripts.aclose()
-            await close_client(client)
+                await _closed("the scripts' Redis client", recovery.store.scripts.aclose())
+            await _closed("the Redis client", close_client(client))
             if embedded is not None:
                 await asyncio.to_thread(embedded.close)
             raise
@@ -233,8 +234,8 @@ class PolicyServer:
         stops = [self.rpc.stop(grace), *([self.framed.stop(grace)] if self.framed is not None else [])]
         await asyncio.gather(*stops)
         await self.recovery.stop()
-        await self.recovery.store.scripts.aclose()
-        await close_client(self.redis)
+        await _closed("the scripts' Redis client", self.recovery.store.scripts.aclose())
+        await _closed("the Redis client", close_client(self.redis))
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.close)
 
@@ -247,6 +248,17 @@ async def close_client(client: RedisClient) -> None:
     else:
         await client.aclose(close_connection_pool=True)
         await close_sentinels(client)
+
+
+async def _closed(what: str, closing: Awaitable[None]) -> None:
+    """Await one close of a stop, which must go on to the next: redis-py gives each
+    connection's close `socket_connect_timeout` to finish and raises TimeoutError past it (a
+    loaded host), after the socket was closed. Raised, it left the embedded redis-server
+    running."""
+    try:
+        await closing
+    except (TimeoutError, OSError, redis.exceptions.RedisError) as exc:
+        log.warning("closing %s: %s", what, exc)
 
 
 def policy_store(client: RedisClient, config: PolicyServiceConfig, durable: Durability | None = None,

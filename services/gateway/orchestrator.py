@@ -46,8 +46,9 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -266,11 +267,13 @@ class Orchestrator:
         )
         call = decode_pb2_grpc.DecodeWorkerStub(decode.channel).StreamTokens(message)
         detokenizer = IncrementalDetokenizer(self.decode_text) if request.detokenize else None
+        summarized = False
         try:
             while True:
                 timeout = self.deadlines.event_s if clock.tokens else self.deadlines.first_event_s
                 event = await self._read(call, timeout, decode, clock)
                 if event.HasField("summary"):
+                    summarized = True
                     yield gateway_pb2.GenerateEvent(summary=build_summary(route, prefilled, event.summary, clock))
                     return
                 clock.token()
@@ -280,7 +283,10 @@ class Orchestrator:
                     yield gateway_pb2.GenerateEvent(summary=build_summary(route, prefilled, stopped, clock))
                     return
         finally:
-            call.cancel()  # a no-op after the summary; frees the decode worker's KV on a client cancel
+            if summarized:
+                self._settle_later(call)
+            else:
+                call.cancel()  # frees the decode worker's KV on a client cancel or an early stop
 
     async def _read(
         self, call: grpc.aio.UnaryStreamCall, timeout_s: float, decode: Endpoint, clock: TokenClock
@@ -309,7 +315,28 @@ class Orchestrator:
     def _end_later(self, request_id: str, generation: int) -> None:
         """EndRequest in the background (the one call of it): it marks the request done and
         fences out whatever a failed or cancelled attempt left behind."""
-        task = asyncio.create_task(self._end(request_id, generation))
+        self._in_background(self._end(request_id, generation))
+
+    def _settle_later(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """Let a summarized decode stream end on its own, in the background, so the client has
+        its summary at once. The summary is not the end of the call: its OK status follows, and
+        a cancel sent in between raced the worker's last write, which then counted a finished
+        decode as CANCELLED. A worker that never ends the stream is cancelled at the event
+        deadline."""
+        self._in_background(self._settle(call, self.deadlines.event_s))
+
+    @staticmethod
+    async def _settle(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await call.code()
+        except TimeoutError:
+            log.warning("decode stream still open %g s after its summary; cancelling it", timeout_s)
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

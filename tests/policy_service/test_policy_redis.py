@@ -200,6 +200,26 @@ async def test_embedded_redis_starts_and_stops_with_the_service(tmp_path: Path) 
     assert (tmp_path / "data" / "appendonly.aof").stat().st_size > 0
 
 
+async def test_a_redis_close_that_times_out_still_stops_the_embedded_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # redis-py raises TimeoutError when a connection's close outlasts socket_connect_timeout
+    # (a loaded host); the stop must go on and stop the redis-server it started.
+    server = await PolicyServer.start(PolicyServiceConfig(server=ServerConfig(port=0), redis_data_dir=tmp_path / "data"))
+    embedded = server.embedded
+    assert embedded is not None and embedded.running
+    close = server.redis.aclose
+
+    async def slow_close(*args: object, **kwargs: object) -> None:
+        await close(*args, **kwargs)  # type: ignore[arg-type]
+        raise TimeoutError("Timed out closing connection after 0.5")
+
+    monkeypatch.setattr(server.redis, "aclose", slow_close)
+    await server.stop(0)
+    assert not embedded.running
+    assert "closing the Redis client: Timed out closing connection" in caplog.text
+
+
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """A throwaway certificate for 127.0.0.1 (openssl CLI)."""
     openssl = shutil.which("openssl")

@@ -106,14 +106,16 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillWorkerServicer):
 
 class ScriptedDecode(decode_pb2_grpc.DecodeWorkerServicer):
     """Streams TOKENS and a summary per its plan: "ok", "fail_first" (before any event),
-    "silent" (nothing, until cancelled), "fail_after_first", "hang_after_first" or
-    "pause_after_first" (the rest once `resume` is set)."""
+    "silent" (nothing, until cancelled), "fail_after_first", "hang_after_first",
+    "pause_after_first" (the rest once `resume` is set), "linger_after_summary" (the stream
+    ends 0.3 s after the summary; `ended` is set then) or "hang_after_summary" (until cancelled)."""
 
     def __init__(self, *plan: str) -> None:
         self.plan = list(plan)
         self.calls: list[decode_pb2.StreamTokensRequest] = []
         self.cancelled = asyncio.Event()
         self.resume = asyncio.Event()
+        self.ended = asyncio.Event()
 
     @maps_errors
     async def StreamTokens(self, request: decode_pb2.StreamTokensRequest,
@@ -139,6 +141,15 @@ class ScriptedDecode(decode_pb2_grpc.DecodeWorkerServicer):
             output_tokens=len(TOKENS), finish_reason=common_pb2.FINISH_REASON_LENGTH, generations=generations,
             ledger=common_pb2.Ledger(full_payload_bytes=1000, visible_payload_bytes=600, bytes_moved=650),
         ))
+        if action == "linger_after_summary":
+            try:
+                await asyncio.sleep(0.3)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            self.ended.set()
+        if action == "hang_after_summary":
+            await forever(self.cancelled)
 
 
 async def serve(name: str, register: Callable[[grpc.aio.Server], None]) -> RpcServer:
@@ -316,6 +327,25 @@ async def test_cancel_during_decode_reaches_the_decode_worker(deploy) -> None:  
     call.cancel()
     await asyncio.wait_for(d.decodes[0].cancelled.wait(), 5)
     await ended_generation(d.policy, "cancel-2")
+
+
+async def test_a_summarized_stream_ends_on_its_own_and_is_not_cancelled(deploy) -> None:  # type: ignore[no-untyped-def]
+    # The summary is not the end of the call: the worker's OK status follows it. A cancel sent
+    # at once raced that status, and the decode worker counted a finished decode as CANCELLED.
+    d = await deploy(ScriptedPrefill("ok"), ScriptedDecode("linger_after_summary"))
+    started = time.monotonic()
+    tokens, summary = await collect(d.stub.Generate(request("settle-1")))
+    assert summary is not None and len(tokens) == len(TOKENS)
+    assert not d.decodes[0].ended.is_set(), "the client waited for the decode stream's end"
+    await asyncio.wait_for(d.decodes[0].ended.wait(), 5)
+    assert time.monotonic() - started >= 0.3 and not d.decodes[0].cancelled.is_set()
+
+
+async def test_a_stream_left_open_after_its_summary_is_cancelled_at_the_event_deadline(deploy) -> None:  # type: ignore[no-untyped-def]
+    d = await deploy(ScriptedPrefill("ok"), ScriptedDecode("hang_after_summary"), event_timeout_s=0.5)
+    tokens, summary = await collect(d.stub.Generate(request("settle-2")))
+    assert summary is not None and len(tokens) == len(TOKENS)
+    await asyncio.wait_for(d.decodes[0].cancelled.wait(), 5)
 
 
 async def test_invalid_input_and_unknown_policy_never_reach_a_worker(deploy) -> None:  # type: ignore[no-untyped-def]
