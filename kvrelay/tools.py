@@ -404,6 +404,53 @@ def bench_http(
     typer.echo(f"wrote {markdown}")
 
 
+@bench_app.command("recall")
+def bench_recall(
+    checkpoint: Path | None = typer.Option(None, help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
+    seeds: str | None = typer.Option(None, help="Comma-separated question seeds (default 7 (the demo's), 201-206; recall was tuned on 101-106 and RULER prompts)."),
+    policies: str | None = typer.Option(None, help="Comma-separated manifest names the gateway registers (default full, snapkv, snapkv-recall, snapkv-recall-codes); snapkv is the TPOT baseline."),
+    context_tokens: int = typer.Option(3000, help="Tokens of real text around the needle."),
+    max_tokens: int = typer.Option(32, help="Output tokens per request at most."),
+    out: Path = typer.Option(Path("docs/results/recall-served.md"), help="Markdown summary (a PNG and a JSON beside it)."),
+) -> None:
+    """Recall through the served stack: the demo's question over several seeds, every recall policy vs snapkv."""
+    import json
+    import sys
+
+    from rich.progress import Progress
+
+    from services.benchmark.host import HostLoad
+    from services.launcher.recall_bench import (
+        ServedRecallConfig,
+        answers_json,
+        render_markdown,
+        run_served_recall,
+        write_plot,
+    )
+
+    chosen: dict[str, tuple[object, ...]] = {}
+    try:
+        if seeds:
+            chosen["seeds"] = tuple(int(s) for s in seeds.split(","))
+        if policies:
+            chosen["policies"] = tuple(p.strip() for p in policies.split(","))
+        config = ServedRecallConfig(checkpoint=served_checkpoint(checkpoint), context_tokens=context_tokens,
+                                    max_tokens=max_tokens, **chosen)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    load = HostLoad.start()
+    with Progress() as progress:
+        task = progress.add_task("questions x policies", total=len(config.seeds) * len(config.policies))
+        answers = run_served_recall(config, lambda answer: progress.advance(task))
+    report = render_markdown(config, answers, "kvrelay " + " ".join(sys.argv[1:]), load.describe())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot = write_plot(config, answers, out.with_suffix(".png"))
+    out.with_suffix(".json").write_text(json.dumps(answers_json(answers), indent=1) + "\n")
+    out.write_text(f"{report}\n![answers right and TPOT per policy]({plot.name})\n")
+    typer.echo(report)
+    typer.echo(f"wrote {out}")
+
+
 @bench_app.command("compress")
 def bench_compress(
     synthetic_shape: str = typer.Option("24x4x16384", help="LAYERSxKV_HEADSxTOKENS of the synthetic prompt."),

@@ -5,9 +5,12 @@ prefill worker, one decode worker, gateway; free loopback ports; the default mod
 SmolLM2-135M-Instruct), then ask one real question through the gateway as chat messages: a
 passphrase hidden in a few thousand tokens of the Python language reference
 (`services.launcher.haystack`), under `full`, `snapkv` (25% of the prompt's rows per
-K/V head) and `snapkv-recall` (the same selection, omitted rows recallable from the prefill
-worker's offload store). Print each answer, right or wrong, its TTFT/TPOT, and the byte
-ledger (KV bytes of the full cache vs retained vs moved vs recalled), then stop the stack.
+K/V head), `snapkv-recall` (the same selection, omitted rows recallable from the prefill
+worker's offload store, pages ranked by their key bound) and `snapkv-recall-codes` (the same,
+ranked by 4-bit codes of every omitted key: about a tenth of the bound's decode-time cost on
+this model, `kvrelay bench recall`). Print each answer, right or wrong, its TTFT/TPOT, and the
+byte ledger (KV bytes of the full cache vs retained vs moved vs recalled, and the row codes' table
+the decode host keeps for `snapkv-recall-codes`), then stop the stack.
 
 The question (seed, depth, length) was chosen so that the full cache answers it; the seeds
 the recall knobs were tuned on are different ones (see `services.gateway.policies`).
@@ -29,7 +32,7 @@ from services.launcher.stack import Stack, StackConfig
 from services.model.loader import read_checkpoint
 from services.model.tokenizer import TextTokenizer
 
-DEMO_POLICIES = ("full", "snapkv", "snapkv-recall")
+DEMO_POLICIES = ("full", "snapkv", "snapkv-recall", "snapkv-recall-codes")
 DEMO_CONTEXT_TOKENS = 3000
 DEMO_DEPTH = 0.4
 DEMO_SEED = 7
@@ -127,7 +130,7 @@ def _answers_table(result: StackDemoResult) -> Table:
 def _ledger_table(result: StackDemoResult) -> Table:
     table = Table(title="byte ledger (KV rows of every layer and K/V head)")
     for column in ("policy", "rows kept", "omitted", "recalled", "KV full", "KV kept", "moved",
-                   "moved/full", "recalled bytes"):
+                   "moved/full", "recalled bytes", "code table"):
         table.add_column(column, justify="right")
     for policy, generation in result.answers.items():
         summary, ledger = generation.summary, generation.summary.ledger
@@ -135,7 +138,7 @@ def _ledger_table(result: StackDemoResult) -> Table:
         table.add_row(policy, f"{summary.retained_rows:,}", f"{summary.omitted_rows:,}",
                       f"{summary.recalled_rows:,}", _size(ledger.full_payload_bytes),
                       _size(ledger.visible_payload_bytes), _size(summary.bytes_moved),
-                      f"{share:.1%}", _size(ledger.recalled_bytes))
+                      f"{share:.1%}", _size(ledger.recalled_bytes), _size(ledger.code_table_bytes))
     return table
 
 
