@@ -3,6 +3,7 @@ nothing in the runtime imports it). Each command imports its suite lazily."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -369,11 +370,16 @@ def bench_tls(
     load = HostLoad.start()
     results = run_tls_e2e_bench(config)
     report = render_markdown(config, results, "kvrelay " + " ".join(sys.argv[1:]), load.describe())
-    markdown.parent.mkdir(parents=True, exist_ok=True)
-    plot = write_plot(results, markdown.with_suffix(".png"))
-    markdown.write_text(f"{report}\n![p50 TTFT and TPOT per transport]({plot.name})\n")
+    _write_report(markdown, report, lambda png: write_plot(results, png), "p50 TTFT and TPOT per transport")
+
+
+def _write_report(out: Path, report: str, write_plot: Callable[[Path], Path], caption: str) -> None:
+    """Write `report` to `out` with its plot (`write_plot(out.png)`) linked under it; echo it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot = write_plot(out.with_suffix(".png"))
+    out.write_text(f"{report}\n![{caption}]({plot.name})\n")
     typer.echo(report)
-    typer.echo(f"wrote {markdown}")
+    typer.echo(f"wrote {out}")
 
 
 @bench_app.command("http")
@@ -421,6 +427,8 @@ def bench_recall(
 
     from services.benchmark.host import HostLoad
     from services.launcher.recall_bench import (
+        RECALL_POLICIES,
+        REPORT_SEEDS,
         ServedRecallConfig,
         answers_json,
         render_markdown,
@@ -428,14 +436,12 @@ def bench_recall(
         write_plot,
     )
 
-    chosen: dict[str, tuple[object, ...]] = {}
     try:
-        if seeds:
-            chosen["seeds"] = tuple(int(s) for s in seeds.split(","))
-        if policies:
-            chosen["policies"] = tuple(p.strip() for p in policies.split(","))
-        config = ServedRecallConfig(checkpoint=served_checkpoint(checkpoint), context_tokens=context_tokens,
-                                    max_tokens=max_tokens, **chosen)  # type: ignore[arg-type]
+        config = ServedRecallConfig(
+            checkpoint=served_checkpoint(checkpoint), context_tokens=context_tokens, max_tokens=max_tokens,
+            seeds=tuple(int(s) for s in seeds.split(",")) if seeds else REPORT_SEEDS,
+            policies=tuple(p.strip() for p in policies.split(",")) if policies else RECALL_POLICIES,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     load = HostLoad.start()
@@ -444,11 +450,8 @@ def bench_recall(
         answers = run_served_recall(config, lambda answer: progress.advance(task))
     report = render_markdown(config, answers, "kvrelay " + " ".join(sys.argv[1:]), load.describe())
     out.parent.mkdir(parents=True, exist_ok=True)
-    plot = write_plot(config, answers, out.with_suffix(".png"))
     out.with_suffix(".json").write_text(json.dumps(answers_json(answers), indent=1) + "\n")
-    out.write_text(f"{report}\n![answers right and TPOT per policy]({plot.name})\n")
-    typer.echo(report)
-    typer.echo(f"wrote {out}")
+    _write_report(out, report, lambda png: write_plot(config, answers, png), "answers right and TPOT per policy")
 
 
 @bench_app.command("compress")
