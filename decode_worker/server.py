@@ -24,7 +24,6 @@ from decode_worker.service import SERVICE_NAME, DecodeServicer
 from services.model import LoadedModel, load
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.kvrelay.v1 import decode_pb2_grpc
-from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServiceBinding, start_server
 from services.telemetry import metrics
 from services.transfer import KVReceiver
@@ -80,7 +79,7 @@ class DecodeWorker:
         metrics.DECODE_KV_RESERVED.set_function(lambda: scheduler.budget.used_bytes)
         metrics.DECODE_KV_ALLOCATED.set_function(lambda: scheduler.budget.allocated_bytes)
         try:
-            rpc = await start_server(config.server, [binding], [ReadinessCheck("policy", policy.check_serving)])
+            rpc = await start_server(config.server, [binding], [policy.readiness_check(config.server.readiness_timeout_s)])
         except BaseException:
             await _shut(servicer, executor)
             raise

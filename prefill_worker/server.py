@@ -32,7 +32,6 @@ from services.model import LoadedModel, load
 from services.policy import PolicyClient, PolicyClientConfig
 from services.policy.manifests import ManifestCache
 from services.rpc.kvrelay.v1 import offload_pb2_grpc, prefill_pb2_grpc
-from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import RpcServer, ServerConfig, ServiceBinding, start_server
 from services.telemetry import metrics
 from services.transfer import KVSender
@@ -132,7 +131,7 @@ class PrefillServer:
         metrics.PREFILL_QUEUE_DEPTH.set_function(lambda: admission.queued)
         metrics.OFFLOAD_STORE_BYTES.set_function(lambda: tier.store.used_bytes if tier.store else 0)
         try:
-            rpc = await start_server(config.server, bindings, [ReadinessCheck("policy", policy.check_serving)])
+            rpc = await start_server(config.server, bindings, [policy.readiness_check(config.server.readiness_timeout_s)])
         except BaseException:
             await _close(pipeline, handoff, policy)
             raise

@@ -166,6 +166,7 @@ class Endpoint:
         self.channel = security.aio_channel(
             address, peer, [*client_channel_options(max_message_bytes), ("grpc.enable_retries", 0)])
         self.healthy = False
+        self.status = "not checked yet"  # what its last health check (or call) said
         self.timeouts = 0  # consecutive health checks without an answer in time
         self.outstanding = 0
         self.last_pick = 0
@@ -239,8 +240,9 @@ class WorkerPool:
             await self._resolve()
         endpoints = list(self._endpoints.values())
         results = await asyncio.gather(*(self._check(endpoint) for endpoint in endpoints))
-        for endpoint, answer in zip(endpoints, results, strict=True):
+        for endpoint, (answer, status) in zip(endpoints, results, strict=True):
             endpoint.timeouts = endpoint.timeouts + 1 if answer is None else 0
+            endpoint.status = f"{status} ({endpoint.timeouts} in a row)" if answer is None else status
             if answer is None:  # slow, not gone: healthy until it misses too many in a row
                 healthy = endpoint.healthy and endpoint.timeouts < self.config.unhealthy_after_timeouts
             else:
@@ -256,12 +258,18 @@ class WorkerPool:
             return None
         return f"no healthy {self.role} worker among {self.source} ({len(self._endpoints)} resolved)"
 
+    def unhealthy_why(self) -> str:
+        """What each worker's last check said, e.g. "127.0.0.1:41012 NOT_SERVING; ...": the
+        detail of NoHealthyWorker, so an operator (or a failed test) sees why without logs."""
+        return "; ".join(f"{e.address} {e.status}" for e in self._endpoints.values()) or "none resolved"
+
     def mark_failed(self, address: str) -> None:
         """Skip `address` until its next passing health check."""
         endpoint = self._endpoints.get(address)
         if endpoint is not None and endpoint.healthy:
             log.warning("%s worker %s failed a call; skipping it until it passes a health check", self.role, address)
             endpoint.healthy = False
+            endpoint.status = "failed a call"
             self._queue.notify()
 
     @contextlib.asynccontextmanager
@@ -284,7 +292,7 @@ class WorkerPool:
     def _take(self, avoid: frozenset[str]) -> Endpoint | None:
         candidates = self.candidates()
         if not any(c.healthy for c in candidates):
-            raise NoHealthyWorker(f"no healthy {self.role} worker among {self.source}")
+            raise NoHealthyWorker(f"no healthy {self.role} worker among {self.source} ({self.unhealthy_why()})")
         address = pick(candidates, avoid, self.max_outstanding)
         if address is None:
             return None
@@ -327,12 +335,16 @@ class WorkerPool:
         if endpoint.outstanding == 0:
             await endpoint.channel.close()
 
-    async def _check(self, endpoint: Endpoint) -> bool | None:
-        """SERVING or not; None when no answer came within `health_timeout_s`."""
+    async def _check(self, endpoint: Endpoint) -> tuple[bool | None, str]:
+        """(SERVING or not, None when no answer came within `health_timeout_s`; what it said)."""
         stub = health_pb2_grpc.HealthStub(endpoint.channel)
         request = health_pb2.HealthCheckRequest(service=self.service)
+        timeout_s = self.config.health_timeout_s
         try:
-            response = await stub.Check(request, timeout=self.config.health_timeout_s)
+            response = await stub.Check(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            return None if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED else False
-        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None, f"no answer within {timeout_s:g} s"
+            return False, f"{exc.code().name}: {(exc.details() or '')[:120]}"
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return response.status == health_pb2.HealthCheckResponse.SERVING, status

@@ -125,7 +125,7 @@ class GatewayServer:
             )
             servicer = GatewayServicer(prompts, orchestrator)
             binding = ServiceBinding(SERVICE_NAME, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
-            rpc = await start_server(config.server, [binding], readiness_checks(policy, *pools))
+            rpc = await start_server(config.server, [binding], readiness_checks(policy, *pools, within_s=config.server.readiness_timeout_s))
             http = await _start_http(config, prompts, orchestrator, rpc, authenticate)
         except BaseException:
             for pool in pools:
@@ -177,10 +177,12 @@ def _model_name(checkpoint: Path) -> str:
     return checkpoint.stem if checkpoint.suffix.lower() == ".gguf" else checkpoint.name
 
 
-def readiness_checks(policy: PolicyClient, prefill: WorkerPool, decode: WorkerPool) -> list[ReadinessCheck]:
-    """SERVING while the policy service serves and each role has a healthy worker."""
+def readiness_checks(policy: PolicyClient, prefill: WorkerPool, decode: WorkerPool, *,
+                     within_s: float) -> list[ReadinessCheck]:
+    """SERVING while the policy service serves and each role has a healthy worker (each probe
+    bounded by `within_s`)."""
     return [
-        ReadinessCheck("policy", policy.check_serving),
+        policy.readiness_check(within_s),
         ReadinessCheck("prefill workers", prefill.check_any_healthy),
         ReadinessCheck("decode workers", decode.check_any_healthy),
     ]

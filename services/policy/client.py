@@ -32,6 +32,7 @@ TLS and credentials, at a fraction of a gRPC message's cost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import random
@@ -69,6 +70,7 @@ from services.policy.types import (
 )
 from services.rpc.errors import error_detail
 from services.rpc.kvrelay.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.rpc.readiness import ReadinessCheck
 from services.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
 from services.security.roles import Role
 from services.security.transport import TransportSecurity
@@ -225,11 +227,22 @@ class PolicyClient:
         try:
             reply = await self._call(health_pb2_grpc.HealthStub(self._channel).Check, request, timeout_s)
         except PolicyError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Slow is not no: a readiness probe tolerates a few of these in a row.
+                raise TimeoutError(f"policy service at {self.config.target}: no answer in time") from exc
             return f"policy service at {self.config.target}: {exc}"
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             return f"policy service at {self.config.target} reports {status}"
         return None
+
+    def readiness_check(self, within_s: float) -> ReadinessCheck:
+        """The "policy" readiness check of a service that needs this policy service, for probes
+        bounded by `within_s`: the call gives up a little earlier, so a policy service that
+        refuses is reported as refusing (not ready at once), one that is only slow as a
+        timeout (`services.rpc.readiness` tolerates a few)."""
+        return ReadinessCheck("policy", functools.partial(self.check_serving, timeout_s=0.8 * within_s))
 
     async def register_manifest(self, manifest_json: str | bytes, *, timeout_s: float | None = None) -> Registration:
         data = manifest_json.encode("utf-8") if isinstance(manifest_json, str) else manifest_json

@@ -10,7 +10,9 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.demo import needle
 from services.launcher.stack import ServiceProcess, Stack, StackConfig, WorkerPorts
@@ -128,6 +130,31 @@ class UpStack:
 
     def dead(self) -> list[str]:
         return [name for name, pid in self.pids.items() if not alive(pid)]
+
+
+def not_serving(stack: UpStack) -> dict[str, str]:
+    """Every service of `stack` whose gRPC health does not say SERVING, with what it said."""
+    found = {}
+    for address in (stack.gateway_address, stack.policy_address, *stack.prefill_addresses, *stack.decode_addresses):
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError as exc:
+                found[address] = exc.code().name  # type: ignore[attr-defined]
+                continue
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            found[address] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return found
+
+
+def wait_every_service_serving(stack: UpStack, timeout_s: float) -> float:
+    """Seconds until every service of `stack` reports SERVING (a test that upset the shared
+    stack leaves it settled, as a Kubernetes readiness gate would see it)."""
+    started = time.monotonic()
+    while (left := not_serving(stack)) and time.monotonic() - started < timeout_s:
+        time.sleep(0.1)
+    assert not left, f"not SERVING {timeout_s:g} s on: {left}"
+    return time.monotonic() - started
 
 
 def needle_ids(loaded: LoadedModel, tokens: int, seed: int) -> list[int]:

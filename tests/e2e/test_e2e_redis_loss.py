@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_helpers import UpStack, alive, wait_gone
+from e2e_helpers import UpStack, alive, wait_every_service_serving, wait_gone
 
 from services.gateway.client import GatewayClient, generate_request
 from services.kvpolicy.manifest import default_manifests
@@ -52,7 +52,7 @@ def until_served(stack: UpStack, started: float, timeout_s: float = 30.0) -> tup
                 client.generate(generate_request("the quiet river crosses the old bridge", max_tokens=2))
                 return time.monotonic() - started, errors
             except grpc.RpcError as exc:
-                errors.append(f"{exc.code().name}: {(exc.details() or '')[:80]}")
+                errors.append(f"{exc.code().name}: {(exc.details() or '')[:300]}")
             time.sleep(0.1)
     raise AssertionError(f"no Generate succeeded within {timeout_s} s: {errors[-3:]}")
 
@@ -78,6 +78,7 @@ def test_a_killed_embedded_redis_is_restarted_and_refilled(stack: UpStack) -> No
     assert recovered_s < RECOVERY_TARGET_S
     assert alive(policy) and redis_children(policy) not in ([], [old])
     assert registered(stack.policy_address) == before
+    print(f"every service SERVING again {wait_every_service_serving(stack, RECOVERY_TARGET_S):.2f} s later")
 
 
 def test_a_sigkilled_policy_service_is_restarted_with_its_manifests(stack: UpStack, loaded: LoadedModel) -> None:
@@ -105,3 +106,4 @@ def test_a_sigkilled_policy_service_is_restarted_with_its_manifests(stack: UpSta
     assert recovered_s < RECOVERY_TARGET_S
     assert registered(stack.policy_address) == before
     assert re.search(r"restarted policy \(restart 1\)", stack.output.text)
+    print(f"every service SERVING again {wait_every_service_serving(stack, RECOVERY_TARGET_S):.2f} s later")

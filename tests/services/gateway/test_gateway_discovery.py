@@ -137,18 +137,22 @@ async def test_a_slow_worker_stays_healthy_until_it_misses_several_checks_in_a_r
         DiscoveryConfig(unhealthy_after_timeouts=0)
 
 
-async def test_pool_without_healthy_workers_raises_unavailable() -> None:
-    server = await start_worker()
-    address = server.address
-    await server.stop(0)
-    pool = WorkerPool("decode", SERVICE, WorkerSource(addresses=(address,)), FAST)
+async def test_pool_without_healthy_workers_raises_unavailable_saying_what_each_answered() -> None:
+    gone, refusing = await start_worker(), await start_worker()
+    await gone.stop(0)
+    await refusing.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    pool = WorkerPool("decode", SERVICE, WorkerSource(addresses=(gone.address, refusing.address)), FAST)
     await pool.start()
     try:
-        with pytest.raises(NoHealthyWorker, match="no healthy decode worker"):
+        with pytest.raises(NoHealthyWorker) as caught:
             async with pool.lease():
                 pass
+        message = str(caught.value)
+        assert message.startswith(f"no healthy decode worker among {gone.address},{refusing.address} (")
+        assert f"{gone.address} UNAVAILABLE: " in message and f"{refusing.address} NOT_SERVING" in message
     finally:
         await pool.close()
+        await refusing.stop(0)
 
 
 async def test_dns_source_is_re_resolved() -> None:

@@ -10,12 +10,12 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from policy_service.config import PolicyServiceConfig
 from policy_service.server import PolicyServer
 from services.policy import PolicyClient, PolicyClientConfig, StaleGeneration
-from services.rpc.readiness import ReadinessCheck, readiness_problems
+from services.rpc.readiness import Readiness, ReadinessCheck, readiness_problems
 from services.rpc.server import ServerConfig, start_server
 from services.telemetry.metrics import STALE_REJECTIONS
 
@@ -69,6 +69,83 @@ async def test_health_follows_the_probes_from_the_first_answer() -> None:
         assert slow.readiness.problems == ["slow: no answer within 0.1 s"]
     finally:
         await slow.stop(0)
+
+
+async def test_a_slow_dependency_is_tolerated_a_few_times_a_refusing_one_never() -> None:
+    """Every worker probes the same policy service: one slow second of it must not turn them
+    all NOT_SERVING together. Slow while ready: tolerated twice, not ready the third time in
+    a row. A no, or a probe that raises, is not ready at once; slow before ever being ready is
+    not ready either."""
+    answer: dict[str, object] = {"reason": None}
+
+    async def probe() -> str | None:
+        if answer["reason"] == "slow":
+            raise TimeoutError("policy: no answer in time")  # a probe's own deadline
+        if answer["reason"] == "hang":
+            await asyncio.sleep(5)
+        return answer["reason"]  # type: ignore[return-value]
+
+    servicer = health.aio.HealthServicer()
+    readiness = Readiness(servicer, ["svc"], [ReadinessCheck("policy", probe)], interval_s=0.2, timeout_s=0.05,
+                          unready_after_timeouts=3)
+    answer["reason"] = "hang"
+    assert not await readiness.evaluate()  # never ready yet: a timeout is not tolerated
+    answer["reason"] = None
+    assert await readiness.evaluate()
+    for reason in ("slow", "hang"):
+        assert await readiness.evaluate() and await readiness.evaluate()
+        answer["reason"] = reason
+        assert await readiness.evaluate() and await readiness.evaluate()
+        assert not await readiness.evaluate()
+        assert readiness.problems is not None and "no answer" in readiness.problems[0]
+        answer["reason"] = None
+        assert await readiness.evaluate()
+    answer["reason"] = "NOT_SERVING"
+    assert not await readiness.evaluate()
+    assert readiness.problems == ["policy: NOT_SERVING"]
+    with pytest.raises(ValueError, match="unready_after_timeouts"):
+        Readiness(servicer, [], [], unready_after_timeouts=0)
+
+
+async def test_while_not_ready_it_looks_again_four_times_as_often() -> None:
+    calls: list[float] = []
+
+    async def probe() -> str | None:
+        calls.append(time.monotonic())
+        return None if len(calls) > 3 else "down"
+
+    readiness = Readiness(health.aio.HealthServicer(), [], [ReadinessCheck("dep", probe)], interval_s=0.4,
+                          timeout_s=0.1)
+    assert not await readiness.evaluate()
+    readiness.start()
+    try:
+        await _until(lambda: _true(len(calls) >= 5), timeout_s=5)
+    finally:
+        await readiness.stop()
+    gaps = [later - earlier for earlier, later in zip(calls, calls[1:], strict=False)]
+    assert all(gap < 0.3 for gap in gaps[:3]), gaps  # 0.1 s apart while down
+    assert gaps[3] >= 0.35, gaps  # the full interval once ready again
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_the_policy_check_reports_a_stopped_policy_service_as_refusing_within_the_probe() -> None:
+    """The workers' check gives up before the probe's deadline, so a policy service that is
+    gone reads as UNAVAILABLE (not ready at once), not as a slow answer."""
+    server = await PolicyServer.start(PolicyServiceConfig(server=FAST))
+    address = server.address
+    await server.stop(0)
+    client = PolicyClient(PolicyClientConfig(address, timeout_s=5.0))
+    try:
+        readiness = Readiness(health.aio.HealthServicer(), [], [client.readiness_check(0.5)], timeout_s=0.5)
+        started = time.monotonic()
+        assert not await readiness.evaluate()
+        assert time.monotonic() - started < 0.5
+        assert readiness.problems is not None and "UNAVAILABLE" in readiness.problems[0], readiness.problems
+    finally:
+        await client.close()
 
 
 async def _until(predicate: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
