@@ -82,6 +82,28 @@ def stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> UpStack
     return _RUNNING["up"]
 
 
+def stack_log_tail(started: UpStack, lines: int = 12) -> str:
+    """The last warnings and health transitions of every service log of `started`."""
+    assert started.config.log_dir is not None
+    wanted = ("WARNING", "ERROR", "is healthy", "is unhealthy", "ready again", "still ready")
+    parts = []
+    for log in sorted(Path(started.config.log_dir).glob("*.log")):
+        picked = [line[:300] for line in log.read_text(errors="replace").splitlines() if any(w in line for w in wanted)]
+        if picked:
+            parts.append(f"--- {log.name}\n" + "\n".join(picked[-lines:]))
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A failed e2e test's report carries the stack's recent warnings and health changes: CI
+    shows the report, not the logs."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "up" in _RUNNING and _HERE in item.path.parents:
+        report.sections.append(("stack logs", stack_log_tail(_RUNNING["up"])))
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stop the stack after the last e2e test rather than at the end of the whole suite."""
     if "up" in _RUNNING and (nextitem is None or _HERE not in nextitem.path.parents):
