@@ -10,8 +10,12 @@ wheel; the password goes in `REDISCLI_AUTH`, never on the command line), and `st
 returns once every node reports `cluster_state:ok` and every replica's link to its master is
 up.
 
-A node's cluster bus listens on its port + 10000 (Redis 6.2 has no `cluster-port`), so ports
-are drawn below 55536 with both free.
+A node's cluster bus listens on its port + 10000 (Redis 6.2 has no `cluster-port`), so a node
+needs a pair of free ports. Pairs are drawn outside the kernel's ephemeral range
+(`ip_local_port_range`, 32768-60999 by default): every port-0 bind and every outgoing
+connection's source port comes from that range, so a pair drawn inside it could be taken by
+another server of the same test run between the draw and the node's bind. A node that still
+loses its pair is started again on a new one (before the cluster is formed).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +41,11 @@ from services.redis_embedded import (
 )
 
 _BUS_OFFSET = 10000
-_PORT_RANGE = (20000, 65535 - _BUS_OFFSET)
+_PORT_FLOOR = 10000  # below: well-known and registered services
 _PORT_DRAWS = 200
+_NODE_ATTEMPTS = 5
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_EPHEMERAL_ELSEWHERE = (32768, 65535)  # Linux's default start to IANA's end
 _CREATE_TIMEOUT_S = 60.0
 
 
@@ -74,16 +82,31 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def cluster_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports whose cluster bus port (+10000) was free too."""
-    chosen: list[int] = []
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port-0 binds and source ports (inclusive)."""
+    try:
+        low, high = (int(part) for part in _EPHEMERAL.read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL_ELSEWHERE
+    return low, high
+
+
+def pair_candidates(ephemeral: tuple[int, int]) -> range | list[int]:
+    """Ports p with p and its bus port p + 10000 both outside `ephemeral`."""
+    low, high = ephemeral
+    outside = [p for p in range(_PORT_FLOOR, 65536 - _BUS_OFFSET)
+               if not low <= p <= high and not low <= p + _BUS_OFFSET <= high]
+    # A host whose ephemeral range covers nearly everything: draw anywhere and rely on retries.
+    return outside or range(_PORT_FLOOR, 65536 - _BUS_OFFSET)
+
+
+def cluster_port(taken: Collection[int], candidates: Sequence[int]) -> int:
+    """A loopback port, not in `taken`, whose cluster bus port (+10000) was free too."""
     for _ in range(_PORT_DRAWS):
-        port = random.randint(*_PORT_RANGE)
-        if port not in chosen and _port_free(port) and _port_free(port + _BUS_OFFSET):
-            chosen.append(port)
-            if len(chosen) == count:
-                return chosen
-    raise EmbeddedRedisError(f"found only {len(chosen)} of {count} free port pairs for a cluster")
+        port = random.choice(candidates)
+        if port not in taken and _port_free(port) and _port_free(port + _BUS_OFFSET):
+            return port
+    raise EmbeddedRedisError(f"no free port pair for a cluster node in {_PORT_DRAWS} draws")
 
 
 def find_redis_cli(server: str) -> str:
@@ -115,11 +138,10 @@ class EmbeddedRedisCluster:
     def start(self) -> None:
         """Start every node, form the cluster, wait until it serves every slot."""
         size = self.config.masters * (1 + self.config.replicas_per_master)
+        candidates = pair_candidates(ephemeral_range())
         try:
-            for index, port in enumerate(cluster_ports(size)):
-                node = EmbeddedRedis(self._node_config(index, port))
-                self.nodes.append(node)
-                node.start()
+            for index in range(size):
+                self.nodes.append(self._start_node(index, candidates))
             self._create()
             self.wait_healthy(self.config.start_timeout_s)
         except BaseException:
@@ -181,6 +203,23 @@ class EmbeddedRedisCluster:
                 link = replication.get("master_link_status")
                 return f"replica {node.port}: link to its master is {link}"
         return None
+
+    def _start_node(self, index: int, candidates: Sequence[int]) -> EmbeddedRedis:
+        """Node `index` on a fresh port pair; again on another pair if it lost its pair to
+        another process between the draw and its bind."""
+        taken = {node.port for node in self.nodes}
+        for attempt in range(_NODE_ATTEMPTS):
+            port = cluster_port(taken, candidates)
+            node = EmbeddedRedis(self._node_config(index, port))
+            try:
+                node.start()
+                return node
+            except EmbeddedRedisError as error:
+                node.close()
+                if "Address already in use" not in str(error) or attempt == _NODE_ATTEMPTS - 1:
+                    raise
+                taken.add(port)
+        raise AssertionError("unreachable: the last attempt raises")
 
     def _node_config(self, index: int, port: int) -> EmbeddedRedisConfig:
         data_dir = self.config.data_dir / f"node-{index}" if self.config.data_dir else None

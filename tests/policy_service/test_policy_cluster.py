@@ -7,8 +7,10 @@ three-master cluster (`redis_url` parametrized)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import redis
@@ -18,6 +20,7 @@ from redis.crc import key_slot
 from policy_service.config import PolicyServiceConfig, is_cluster_url, plain_redis_url
 from policy_service.server import PolicyServer, PolicyStartupError
 from policy_service.store import DEFAULT_HIGH_WATER_MARGIN_MS, KeySchema, PolicyStore
+from services import redis_cluster as cluster_nodes
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest
 from services.policy import (
     NotFound,
@@ -27,7 +30,7 @@ from services.policy import (
     StatePublication,
 )
 from services.policy.errors import PolicyPermissionDenied
-from services.redis_cluster import EmbeddedRedisCluster
+from services.redis_cluster import EmbeddedClusterConfig, EmbeddedRedisCluster
 from services.redis_embedded import EmbeddedRedis
 
 AHEAD_US = 10**10  # a high-water mark ~2.8 h ahead of Redis's clock (a clock that stepped back)
@@ -216,3 +219,48 @@ def test_the_local_cluster_has_three_masters_each_with_a_replica(
     for master in masters:
         with redis_cluster.client(master) as node:
             assert int(node.info("replication")["connected_slaves"]) == 1
+
+
+def test_cluster_ports_stay_out_of_the_ephemeral_range_with_their_bus_ports() -> None:
+    """Port-0 binds and source ports come from the ephemeral range: a node's pair drawn there
+    could be taken by another server of the same run before the node binds it (a CI run lost
+    a whole cluster that way)."""
+    default = cluster_nodes.pair_candidates((32768, 60999))
+    assert default[0] == 10000 and default[-1] == 22767 and len(default) == 12768
+    assert cluster_nodes.ephemeral_range() == tuple(
+        int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    low, high = cluster_nodes.ephemeral_range()
+    for port in cluster_nodes.pair_candidates((low, high)):
+        assert not low <= port <= high and not low <= port + 10000 <= high
+    # A range that leaves no pair outside it: draw anywhere, the node start retries.
+    assert len(cluster_nodes.pair_candidates((1024, 65535))) == 65536 - 10000 - 10000
+
+
+def test_a_node_that_loses_its_port_between_the_draw_and_the_bind_starts_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race made real: the first port drawn is held by a listening socket the draw's check
+    does not see, so redis-server fails to bind it; the node starts on the next draw."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    held = holder.getsockname()[1]
+    draws: list[int] = []
+    real_draw = cluster_nodes.cluster_port
+
+    def racing_draw(taken: Collection[int], candidates: Sequence[int]) -> int:
+        draws.append(held if not draws else real_draw(taken, candidates))
+        return draws[-1]
+
+    monkeypatch.setattr(cluster_nodes, "cluster_port", racing_draw)
+    cluster = EmbeddedRedisCluster(EmbeddedClusterConfig(replicas_per_master=0))
+    try:
+        cluster.start()
+        ports = [node.port for node in cluster.nodes]
+        assert draws[0] == held and held not in ports and len(set(ports)) == 3
+        assert draws[1:] == ports
+        with cluster.client(cluster.nodes[0]) as node:
+            assert node.cluster("info")["cluster_state"] == "ok"
+    finally:
+        cluster.close()
+        holder.close()
