@@ -15,7 +15,8 @@ needs a pair of free ports. Pairs are drawn outside the kernel's ephemeral range
 (`ip_local_port_range`, 32768-60999 by default): every port-0 bind and every outgoing
 connection's source port comes from that range, so a pair drawn inside it could be taken by
 another server of the same test run between the draw and the node's bind. A node that still
-loses its pair is started again on a new one (before the cluster is formed).
+loses its pair is started again on a new one, as a single `EmbeddedRedis` is (before the
+cluster is formed).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from services.redis_embedded import (
 _BUS_OFFSET = 10000
 _PORT_FLOOR = 10000  # below: well-known and registered services
 _PORT_DRAWS = 200
-_NODE_ATTEMPTS = 5
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _EPHEMERAL_ELSEWHERE = (32768, 65535)  # Linux's default start to IANA's end
 _CREATE_TIMEOUT_S = 60.0
@@ -205,21 +205,17 @@ class EmbeddedRedisCluster:
         return None
 
     def _start_node(self, index: int, candidates: Sequence[int]) -> EmbeddedRedis:
-        """Node `index` on a fresh port pair; again on another pair if it lost its pair to
-        another process between the draw and its bind."""
+        """Node `index` on a fresh port pair, drawn again if another process takes the pair
+        between the draw and the node's bind (`EmbeddedRedis.start` retries a lost race)."""
         taken = {node.port for node in self.nodes}
-        for attempt in range(_NODE_ATTEMPTS):
-            port = cluster_port(taken, candidates)
-            node = EmbeddedRedis(self._node_config(index, port))
-            try:
-                node.start()
-                return node
-            except EmbeddedRedisError as error:
-                node.close()
-                if "Address already in use" not in str(error) or attempt == _NODE_ATTEMPTS - 1:
-                    raise
-                taken.add(port)
-        raise AssertionError("unreachable: the last attempt raises")
+        node = EmbeddedRedis(self._node_config(index, 0),
+                             pick_port=lambda: cluster_port(taken, candidates))
+        try:
+            node.start()
+        except BaseException:
+            node.close()
+            raise
+        return node
 
     def _node_config(self, index: int, port: int) -> EmbeddedRedisConfig:
         data_dir = self.config.data_dir / f"node-{index}" if self.config.data_dir else None

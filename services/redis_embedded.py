@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,11 @@ class EmbeddedRedis:
     """One private redis-server process. `start()` returns once it answers PING;
     `stop()` shuts it down (flushing the AOF); `kill()` is SIGKILL, for failure tests."""
 
-    def __init__(self, config: EmbeddedRedisConfig | None = None) -> None:
+    def __init__(self, config: EmbeddedRedisConfig | None = None,
+                 pick_port: Callable[[], int] = free_loopback_port) -> None:
+        """`pick_port` draws the port when the config's is 0 (again after a lost race)."""
         self.config = config or EmbeddedRedisConfig()
+        self._pick_port = pick_port
         self.password = self.config.password or secrets.token_urlsafe(24)
         self.port = self.config.port
         self._executable = find_redis_server(self.config.executable)
@@ -168,7 +172,7 @@ class EmbeddedRedis:
         attempts = _PORT_ATTEMPTS if pick_port else 1
         for attempt in range(attempts):
             if pick_port:
-                self.port = free_loopback_port()
+                self.port = self._pick_port()
             self._spawn()
             try:
                 self._wait_ready(time.monotonic() + self.config.start_timeout_s)
