@@ -56,6 +56,7 @@ from services.offload.pages import (
     PageSummaries,
     encode_codes,
     validate_against_view,
+    value_mean_matches,
 )
 from services.policy import NotFound, PolicyClient, PolicyError
 from services.policy.manifests import ManifestCache
@@ -262,7 +263,8 @@ def check_offload(
     row-code bits and, with the retained rows, cover every position below the frontier
     exactly once; the ledger charged the codes table they need (what accept reserved);
     host-tier rows are exactly the paged positions, their keys span exactly each page's
-    min/max and, with codes, encode to exactly the row codes."""
+    min/max and, with codes, encode to exactly the row codes, and their values average to the
+    page value means the manifest's `omitted_value_term` asks for."""
     contract, offload = manifest.recoverability, handoff.offload
     degraded = (
         offload.mode is RecoverabilityMode.OMITTED_IRRECOVERABLE
@@ -286,6 +288,17 @@ def check_offload(
             f"{summaries.code_bits}-bit row codes, the manifest says {contract.key_code_bits or 0}",
             field="sidecar.code_bits",
         )
+    means = summaries.page_value_mean
+    if (means is not None) != bool(contract.omitted_value_term):
+        carried = "carry" if means is not None else "lack"
+        raise ViewRejected(
+            f"the summaries {carried} page value means, the manifest's omitted_value_term is "
+            f"{bool(contract.omitted_value_term)}",
+            field="sidecar.page_value_mean",
+        )
+    if means is not None and means.dtype != view.packed_v.dtype:
+        raise ViewRejected(f"{means.dtype}, the view's values are {view.packed_v.dtype}",
+                           field="sidecar.page_value_mean")
     try:
         validate_against_view(summaries, view.selected_positions(), handoff.end)
     except OffloadError as exc:
@@ -333,6 +346,10 @@ def _check_host_rows(summaries: PageSummaries, rows: OmittedRows) -> None:
         raise ViewRejected("keys do not span their pages' summaries", field="sidecar.omitted_k")
     if summaries.row_codes is not None:
         _check_row_codes(summaries, keys, summaries.row_codes)
+    means = summaries.page_value_mean
+    if means is not None and not value_mean_matches(means, rows.v, counts):
+        raise ViewRejected("page value means differ from the host rows' means",
+                           field="sidecar.page_value_mean")
 
 
 def _check_row_codes(summaries: PageSummaries, keys: torch.Tensor, codes: torch.Tensor) -> None:

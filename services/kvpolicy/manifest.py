@@ -766,6 +766,11 @@ class RecoverabilityContract:
     # (1, 2 or 4; null: page min/max only). The codes travel with the page summaries and let
     # the decode worker rank omitted pages by estimated logits, not only by the bound.
     key_code_bits: int | None = field(default=None, metadata=OMIT_IF_NULL)
+    # True: every omitted page also carries its mean value row, and each decode step adds
+    # the still-omitted pages' code-estimated attention mass carrying those means to the
+    # attention over the resident rows (an estimate of what the omitted rows would add; pages
+    # leave it when recalled). Needs key_code_bits; null: attention reads resident rows only.
+    omitted_value_term: bool | None = field(default=None, metadata=OMIT_IF_NULL)
 
     _RECALL_FIELDS = (
         "recall_threshold",
@@ -796,6 +801,13 @@ class RecoverabilityContract:
             if isinstance(self.key_code_bits, bool) or self.key_code_bits not in KEY_CODE_BITS:
                 _fail("recoverability.key_code_bits",
                       f"must be one of {', '.join(map(str, KEY_CODE_BITS))}, got {echo(self.key_code_bits)}")
+        if self.omitted_value_term is not None:
+            if self.omitted_value_term is not True:
+                _fail("recoverability.omitted_value_term",
+                      f"must be true or left out, got {echo(self.omitted_value_term)}")
+            if self.key_code_bits is None:
+                _fail("recoverability.omitted_value_term",
+                      "needs recoverability.key_code_bits (the codes estimate each page's mass)")
         if self.handoff_id is not None:
             _fail(
                 "recoverability.handoff_id",

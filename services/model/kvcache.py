@@ -22,7 +22,11 @@ without a pool gets a private one that grows.
 Recall (services/offload/recall.py) needs two things from a step, both off by default: a
 `StepCapture` handed to `begin_step` records every layer's post-RoPE queries and the
 log-sum-exp of the rows each query saw; `undo_step` takes the step just committed back, so
-the step can run again once recalled rows are in.
+the step can run again once recalled rows are in. And, for a request whose manifest asks for
+it, an omitted-value term (`set_omitted_term`): an `OmittedTerm` the cache asks, as each
+layer attends, for one more attention partial per query head (an estimated mass carrying a
+value: what the rows the cache does not hold would add), merged with the paged rows' output
+through their log-sum-exp.
 
 Owners are the K/V heads (query head i reads owner i // G), or, for views packed under the
 GQA `expand` reduction, the query heads themselves (`owner_to_kv_head` = q_to_kv_head_map):
@@ -181,6 +185,15 @@ class SlottedCache:
             raise InvalidModelInput("request_id", f"{request_id!r} is not admitted") from None
 
 
+class OmittedTerm(Protocol):
+    """What the rows a request's cache does not hold would add to one layer's attention:
+    given the layer and the request's query there `[H_q, d_h]` (post-RoPE, as the keys), a
+    log mass `[H_q]` (log of the summed e^{scale q . k} of those rows; -inf: none) and the
+    value `[H_q, d_h]` it carries, or None when nothing is omitted."""
+
+    def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
 @dataclass
 class StepCapture:
     """What one decode step's attention saw, per layer, for every request of the batch
@@ -200,6 +213,15 @@ class StepCapture:
     def log_sum_exp(self, slot: int) -> torch.Tensor:
         """Log-sum-exp of the scaled logits over the rows each query saw.  # [L, H_q] fp32"""
         return torch.stack([self.lse[layer][slot] for layer in sorted(self.lse)])
+
+
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, log_mass: torch.Tensor,
+                  value: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint parts from their partials: `out` `[B, H, d_h]` with
+    log-sum-exp `lse` `[B, H]`, and a part of mass e^log_mass `[B, H]` (-inf: none, `out`
+    unchanged) carrying `value` `[B, H, d_h]`: (e^r o + e^M V) / (e^r + e^M), in fp32."""
+    share = torch.sigmoid(log_mass - lse.float())[..., None]  # [B, H, 1], the second part's
+    return torch.lerp(out.float(), value, share).to(out.dtype)
 
 
 @dataclass(frozen=True)
@@ -281,6 +303,8 @@ class DecodeCache(SlottedCache):
         self._step_rows = (none[None], none.int())  # this step's `_append_rows`
         self._undoable = False  # the last call committed a step and nothing was written since
         self._compacted: list[bool] = []  # per slot: some owner had rows evicted and compacted
+        self._terms: dict[str, OmittedTerm] = {}  # omitted-value terms by request
+        self._step_terms: list[tuple[int, OmittedTerm]] = []  # this step's, by slot
 
     def lengths(self, request_id: str) -> torch.Tensor:
         """Rows held per (layer, owner) for one request `[L, H_owner]`."""
@@ -443,10 +467,30 @@ class DecodeCache(SlottedCache):
             self._invalidate()
         return int(freed.numel())
 
+    def set_omitted_term(self, request_id: str, term: OmittedTerm) -> None:
+        """From the next step on, every layer's attention of this request also takes the
+        partial `term` gives for that layer's query, merged with the paged rows' output o and
+        log-sum-exp r as (e^r o + e^M V) / (e^r + e^M). Replaces the request's previous term.
+        InvalidModelInput for a request whose contract gathers its rows (its attention is not
+        the paged kernel's)."""
+        slot = self._slot(request_id)
+        if self._contracts[slot].gathered:
+            raise InvalidModelInput("omitted_term", f"{request_id!r} gathers its rows")
+        self._terms[request_id] = term
+
+    def clear_omitted_term(self, request_id: str) -> None:
+        """From the next step on, this request's attention reads its rows only."""
+        self._slot(request_id)
+        self._terms.pop(request_id, None)
+
+    def has_omitted_term(self, request_id: str) -> bool:
+        return request_id in self._terms
+
     def release(self, request_id: str) -> None:
         """Drop a request: its pages go back to the pool (zeroed when next handed out), and the
         last slot's page table moves into its place."""
         slot, last = self._slot(request_id), self.batch_size - 1
+        self._terms.pop(request_id, None)
         self._undoable = False
         self._invalidate()
         held = self._pages[:, slot]  # [L, H]
@@ -497,16 +541,45 @@ class DecodeCache(SlottedCache):
         self._capture = capture
         self._gathered = [slot for slot, c in enumerate(self._contracts) if c.gathered]
         self._attention = {}
+        self._step_terms = [(self._slot(rid), term) for rid, term in self._terms.items()]
         positions = self.frontier().clone()
         local = [slot for slot in self._gathered if self._contracts[slot].cache_local]
         if local:
             positions[local] = 0
         return positions
 
+    def _layer_terms(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's omitted-value partials of layer l for the batch: log mass `[B, H_q]`
+        (-inf: none) and value `[B, H_q, d_h]`; InvalidModelInput naming the requests whose
+        term answered a shape that is not the layer's, a NaN or +inf mass or a non-finite value
+        (checked once for the batch)."""
+        config = self.config
+        mass = torch.full((self.batch_size, config.num_q_heads), -torch.inf)
+        value = torch.zeros((*mass.shape, config.head_dim))
+        for slot, term in self._step_terms:
+            part = term(layer, q[slot])
+            if part is None:
+                continue
+            log_mass, term_value = part
+            if tuple(log_mass.shape) != tuple(mass.shape[1:]) or tuple(
+                    term_value.shape) != tuple(value.shape[1:]):
+                raise InvalidModelInput("omitted_term", f"{self.request_ids[slot]!r}: layer "
+                                        f"{layer} answered {tuple(log_mass.shape)} / "
+                                        f"{tuple(term_value.shape)}")
+            mass[slot], value[slot] = log_mass, term_value
+        bad = torch.isnan(mass).any(dim=1) | (mass == torch.inf).any(dim=1)
+        bad |= ~torch.isfinite(value).flatten(1).all(dim=1)
+        if bool(bad.any()):
+            named = [repr(self.request_ids[s]) for s in torch.nonzero(bad)[:, 0].tolist()]
+            raise InvalidModelInput("omitted_term", f"{', '.join(named)}: layer {layer} "
+                                    "answered a non-finite part")
+        return mass.to(self.device), value.to(self.device)
+
     def attention(self, layer: int) -> Attend:
         """The `Attend` of layer l for this step: append the new row to every owner, attend."""
         window = self.config.sliding_windows[layer]
         batch, scale, capture = self.batch_size, self.scale, self._capture
+        terms = self._step_terms
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q [B, H_q, d_h]; k, v [B, H_kv, d_h] at the frontier position
@@ -516,7 +589,7 @@ class DecodeCache(SlottedCache):
             self._append_step(layer, k, v)
             lengths = self._lengths[layer, :batch].to(self.device)  # [B, H], the new row included
             pool = self.pool
-            if self._varlen and window is None and capture is None:
+            if self._varlen and window is None and capture is None and not terms:
                 out = paged_varlen_decode_attention(
                     q, pool.keys, pool.values, table, lengths, scale)
             else:
@@ -524,10 +597,12 @@ class DecodeCache(SlottedCache):
                 out, lse = paged_decode_attention(
                     q, pool.keys, pool.values, table, lengths, scale, hidden_at_or_before=hidden,
                     page_positions=pool.positions, plan=self._plan(layer, table, lengths),
-                    with_lse=capture is not None,
+                    with_lse=capture is not None or bool(terms),
                 )
                 if capture is not None and lse is not None:
-                    capture.record(layer, q, lse)
+                    capture.record(layer, q, lse)  # the rows' own, before any term
+                if terms and lse is not None:
+                    out = merge_partial(out, lse, *self._layer_terms(layer, q))
             if self._gathered:
                 out = self._attend_gathered(layer, q, out)
             return out

@@ -34,13 +34,21 @@ against the resident rows, and `choose_estimated` takes the best pages above a f
 whose queries look nowhere omitted recalls nothing: the estimate, unlike the bound, is close
 to the truth), each with the owner's next page. b-bit codes cost d_h b / 8 bytes a row on the wire
 (4 bits: d_h / 2, what the fp16 min/max summaries of 8-row pages cost, 2 x 2 d_h bytes a page).
+
+The omitted-value term (summaries with page value means: `recoverability.omitted_value_term`).
+The same estimated logits also say how much attention the pages that stay omitted would take,
+and each page's mean value row says roughly what it would carry: `omitted_value_term` (the
+whole table) and `layer_value_term` (one layer, as the decode step attends) give, per query
+head, log sum_p m_p and sum_p m_p vbar_p / sum_p m_p with m_p = sum over page p's rows of
+e^{s q . k^}, one more attention partial the decode cache merges with the resident rows'
+(`DecodeCache.set_omitted_term`). An estimate of attention over all rows, never a bound.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import torch
@@ -352,6 +360,51 @@ def choose_pages(
     )
 
 
+@dataclass(frozen=True)
+class CodeLogits:
+    """One step's s q_h . k^_n for every slot of the codes table (`CodeTable`) and every
+    query head h reading the slot's owner: what `page_code_log_odds` ranks pages by and
+    `omitted_value_term` weighs page values with, computed once for both."""
+
+    logits: torch.Tensor  # [S, G, slots] float32, heads of owner s in `readers[s % H_owner]` order
+    readers: torch.Tensor  # [H_owner, G] int64, the query heads reading each owner
+
+
+@dataclass(frozen=True)
+class ValueTerm:
+    """What the still-omitted pages add to one step's attention, per layer and query head, as
+    one more attention partial: an estimated mass e^log_mass carrying `value`. Merged with
+    the resident rows' partial (output o, log-sum-exp r) it gives (e^r o + e^M V) / (e^r + e^M)
+    (`DecodeCache.set_omitted_term`)."""
+
+    log_mass: torch.Tensor  # [L, H_q] float32, log sum over live pages of sum_n e^{s q . k^_n}
+    value: torch.Tensor  # [L, H_q, d_h] float32, the live pages' mean values weighted by mass
+
+    @property
+    def empty(self) -> bool:
+        """No live page: the term adds nothing."""
+        return not bool(torch.isfinite(self.log_mass).any())
+
+
+def code_logits(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    head_to_owner: Sequence[int],
+    *,
+    scale: float | None = None,
+) -> CodeLogits:
+    """s q_h . k^_n for every code slot and reading head (k^_n: the row's key as its code
+    places it, `PageSummaries.row_estimates`): one batched product over the whole table
+    (heads first: the reductions after it run over contiguous slots)."""
+    owner_of_head = _check_query(summaries, query, head_to_owner)
+    scale = _scale(scale, summaries.head_dim)
+    estimates = summaries.code_table.estimates  # [S, d_h, slots] bfloat16
+    q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [L, H_q, d_h]
+    readers = _readers(owner_of_head, summaries.num_owners)  # [H_owner, G] head ids
+    grouped_q = q[:, readers].reshape(-1, readers.shape[1], q.shape[-1])  # [S, G, d_h]
+    return CodeLogits(torch.bmm(grouped_q.to(estimates.dtype), estimates).float(), readers)
+
+
 def page_code_log_odds(
     summaries: PageSummaries,
     query: torch.Tensor,
@@ -360,39 +413,165 @@ def page_code_log_odds(
     *,
     live: torch.Tensor | None = None,
     scale: float | None = None,
+    logits: CodeLogits | None = None,
 ) -> torch.Tensor:
     """Per page, log(estimated mass of its rows / resident mass): logsumexp over the page's
     rows n of max over the reading heads h of s * q_h . k^_n - r_h, with k^_n the row's key as
     its code places it (`PageSummaries.row_estimates`). An estimate, not a bound (the codes
     round each coordinate to 2^b levels of its page's box). -inf for pages not `live`.
-    # [P_total] float64
+    `logits`: this step's `code_logits`, when already computed.  # [P_total] float64
 
     Why: the Quest bound sits ~13 nats above a real model's true page logits and ranks the
     needle's pages hundreds deep; the codes' estimates rank them first (1-bit codes already:
     `docs/results/recall-smollm2/tuning.md`), and say how much a page would really add, so
     they can also decide whether a step recalls at all (`RecallStrategy.min_estimate`).
     """
-    owner_of_head = _check_query(summaries, query, head_to_owner)
-    scale = _scale(scale, summaries.head_dim)
+    if logits is None:
+        logits = code_logits(summaries, query, head_to_owner, scale=scale)
     r = _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))  # [L, H_q]
     alive = _check_live(live, summaries.num_pages)
-    table = summaries.code_table  # estimates [S, d_h, slots] bfloat16
-    estimates = table.estimates
-    q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [L, H_q, d_h]
-    readers = _readers(owner_of_head, summaries.num_owners)  # [H_owner, G] head ids
-    width = readers.shape[1]
-    grouped_q = q[:, readers].reshape(-1, width, q.shape[-1])  # [S, G, d_h]
-    grouped_r = r[:, readers].reshape(-1, width, 1).float()  # [S, G, 1]
-    # s q_h . k^_n - r_h for every slot and reading head (heads first: the reductions below
-    # then run over contiguous slots); per slot its most attentive reader, at least the
-    # largest head's estimate and at most log(G) below a sum over heads, at a third of the
-    # work (this runs at every evaluated step over every omitted row); then a log-sum-exp
-    # over each page's slots (unused slots are -inf).
-    z = torch.bmm(grouped_q.to(estimates.dtype), estimates).float().sub_(grouped_r)  # [S, G, slots]
-    best = z.amax(dim=1).add_(table.slot_bias)  # [S, slots]
+    table = summaries.code_table
+    readers = logits.readers
+    grouped_r = r[:, readers].reshape(-1, readers.shape[1], 1).float()  # [S, G, 1]
+    # Per slot its most attentive reader, at least the largest head's estimate and at most
+    # log(G) below a sum over heads, at a third of the work (this runs at every evaluated
+    # step over every omitted row); then a log-sum-exp over each page's slots (unused slots
+    # are -inf).
+    best = (logits.logits - grouped_r).amax(dim=1).add_(table.slot_bias)  # [S, slots]
     pages = best.view(-1, summaries.page_size).logsumexp(dim=1)  # [S * slots / page_size]
     odds = pages.index_select(0, table.page_slot).double()  # [P_total]
     return odds.masked_fill_(~alive, -math.inf)
+
+
+def omitted_value_term(
+    summaries: PageSummaries, logits: CodeLogits, live: torch.Tensor | None = None
+) -> ValueTerm:
+    """What the `live` pages (default: all) would add to this step's attention, estimated
+    from their rows' codes and their mean values (`PageSummaries.page_value_mean`): per
+    query head h, m_p = sum over page p's rows of e^{s q_h . k^_n}, and the term's mass
+    sum_p m_p carrying sum_p m_p vbar_p / sum_p m_p. Two approximations: each row's key is its
+    code's, and each row's value its page's mean (8-row pages of neighbouring positions).
+
+    Why: on SmolLM2-135M at 8K and 10%, recall alone and this term alone each miss a needle
+    that both together answer (`docs/results/recall-smollm2/tuning.md`, "The omitted mass's
+    value"): attention that is spread over thousands of omitted rows is not worth fetching
+    row by row, but its sum still moves the output."""
+    alive = _check_live(live, summaries.num_pages)
+    mass, value = _segment_term(summaries, logits.logits, slice(None), live_bias(summaries, alive))
+    return ValueTerm(*_by_head(mass, value, logits.readers, summaries.num_layers))
+
+
+def live_bias(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
+    """The codes table's slot bias with the slots of pages not `live` `[P_total]` at -inf
+    too: 0 for a row of a live page, else -inf.  # [S, slots] float32"""
+    table = summaries.code_table
+    segments, slots = table.slot_bias.shape
+    grid = torch.zeros(segments * (slots // summaries.page_size), dtype=torch.bool)
+    grid[table.page_slot] = live
+    alive = grid.view(segments, -1).repeat_interleave(summaries.page_size, dim=1)  # [S, slots]
+    return table.slot_bias.masked_fill(~alive, -math.inf)
+
+
+def layer_value_term(
+    summaries: PageSummaries, layer: int, query: torch.Tensor, readers: torch.Tensor,
+    bias: torch.Tensor, scale: float,
+) -> LayerTerm:
+    """`omitted_value_term` for one layer's query `[H_q, d_h]` (in the decode step, as the
+    layer attends), with what it was computed from: the layer's code logits (which the
+    step's recall plan reads instead of scoring again) and its pages' masses (from which
+    `LayerTerm.without` takes pages out once recalled). `readers`: `CodeLogits.readers`;
+    `bias`: `live_bias`."""
+    owners = summaries.num_owners
+    segments = slice(layer * owners, (layer + 1) * owners)
+    estimates = summaries.code_table.estimates[segments]  # [H_owner, d_h, slots]
+    q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [H_q, d_h]
+    logits = torch.bmm(q[readers].to(estimates.dtype), estimates).float()  # [H_owner, G, slots]
+    page_mass, top = _page_masses(summaries, logits, bias[segments])
+    mass, value = _term_of(summaries.value_grid[segments], page_mass, top)
+    heads = readers.flatten()
+    return LayerTerm(_to_heads(mass, heads), _to_heads(value, heads), logits, page_mass, top,
+                     segments, heads)
+
+
+@dataclass(frozen=True)
+class LayerTerm:
+    """One layer's omitted-value term (`layer_value_term`)."""
+
+    log_mass: torch.Tensor  # [H_q] float32
+    value: torch.Tensor  # [H_q, d_h] float32
+    logits: torch.Tensor  # [H_owner, G, slots] float32, the layer's code logits
+    page_mass: torch.Tensor  # [H_owner, G, pages] float32, each page's mass / e^top
+    top: torch.Tensor  # [H_owner, G, 1] float32
+    segments: slice  # the layer's owner segments
+    heads: torch.Tensor  # [H_q] int64, the query head of each (owner, reader)
+
+    def without(self, summaries: PageSummaries, grid_live: torch.Tensor) -> LayerTerm:
+        """The same term with only the pages `grid_live` `[S, pages]` (`live_grid`) still
+        counted: recalled pages taken out, their mass and value, with the masses of the
+        query that computed the term (no code logits are read again)."""
+        page_mass = self.page_mass * grid_live[self.segments, None, :]
+        mass, value = _term_of(summaries.value_grid[self.segments], page_mass, self.top)
+        return replace(self, log_mass=_to_heads(mass, self.heads),
+                       value=_to_heads(value, self.heads), page_mass=page_mass)
+
+
+def live_grid(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
+    """`live` `[P_total]` laid out like the codes table's pages.  # [S, pages] bool"""
+    table = summaries.code_table
+    segments, slots = table.slot_bias.shape
+    grid = torch.zeros(segments * (slots // summaries.page_size), dtype=torch.bool)
+    grid[table.page_slot] = live
+    return grid.view(segments, -1)
+
+
+def _segment_term(
+    summaries: PageSummaries, logits: torch.Tensor, segments: slice, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log mass `[s, G]` and value `[s, G, d_h]` of the live pages of the owner segments
+    `segments` from their code logits `[s, G, slots]` and `live_bias` rows `[s, slots]` (see
+    `omitted_value_term`)."""
+    page_mass, top = _page_masses(summaries, logits, bias)
+    return _term_of(summaries.value_grid[segments], page_mass, top)
+
+
+def _page_masses(summaries: PageSummaries, logits: torch.Tensor,
+                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every page's mass scaled by e^-top `[s, G, pages]` and top `[s, G, 1]`, each head's
+    largest live logit: one exponential per slot (a per-page log-sum-exp over 8 slots cost
+    twice as much); what underflows is below e^-87 of that row, itself at most the term."""
+    count, width, _ = logits.shape
+    z = logits + bias[:, None, :]  # [s, G, slots], -inf outside live rows
+    top = z.amax(dim=2, keepdim=True)  # [s, G, 1]
+    top = torch.where(torch.isfinite(top), top, 0.0)  # a head with no live row: all zero below
+    return z.sub_(top).exp_().view(count, width, -1, summaries.page_size).sum(dim=3), top
+
+
+def _term_of(grid: torch.Tensor, page_mass: torch.Tensor,
+             top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log mass `[s, G]` and mean-value-weighted value `[s, G, d_h]` of page masses
+    `[s, G, pages]` (scaled by e^-top) over the value grid rows `grid` `[s, pages, d_h]`."""
+    total = page_mass.sum(dim=2)  # [s, G]
+    weights = (page_mass / total[..., None]).nan_to_num_(0.0)  # no live page: 0
+    return total.log() + top[..., 0], torch.bmm(weights.to(grid.dtype), grid).float()
+
+
+def _to_heads(part: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """`[s, G, ...]` by owner and reader as `[H_q, ...]` by query head."""
+    flat = part.flatten(0, 1)
+    out = torch.empty_like(flat)
+    out[heads] = flat
+    return out
+
+
+def _by_head(mass: torch.Tensor, value: torch.Tensor, readers: torch.Tensor,
+             layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[S, G]` / `[S, G, d_h]` by owner segment and reader as `[L, H_q]` / `[L, H_q, d_h]`."""
+    heads = readers.flatten()  # (owner, reader) order, as a layer's segments are
+    out_mass = torch.empty(layers, heads.numel())
+    out_value = torch.empty(layers, heads.numel(), value.shape[-1])
+    out_mass[:, heads] = mass.view(layers, -1)
+    out_value[:, heads] = value.view(layers, heads.numel(), -1)
+    return out_mass, out_value
 
 
 def _readers(owner_of_head: torch.Tensor, owners: int) -> torch.Tensor:
@@ -475,6 +654,15 @@ def _check_query(
         )
     if not query.dtype.is_floating_point or not bool(torch.isfinite(query).all()):
         raise BoundInputInvalid("query", "must hold finite floating-point values")
+    return _check_heads(summaries, head_to_owner)
+
+
+def owner_readers(summaries: PageSummaries, head_to_owner: Sequence[int]) -> torch.Tensor:
+    """The query heads reading each owner, `[H_owner, G]` (`CodeLogits.readers`)."""
+    return _readers(_check_heads(summaries, head_to_owner), summaries.num_owners)
+
+
+def _check_heads(summaries: PageSummaries, head_to_owner: Sequence[int]) -> torch.Tensor:
     owners = summaries.num_owners
     if any(
         isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < owners for o in head_to_owner

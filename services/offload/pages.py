@@ -6,9 +6,12 @@ split, from its start, into chunks of at most `page_size` positions. A page is s
 by the elementwise min and max of its keys (Quest's page metadata), its first position and
 its row count; optionally (`code_bits` 1, 2 or 4) every omitted row also gets a few-bit code
 of each key coordinate inside its page's min/max box, so the decode worker can estimate
-each omitted row's logit (`row_estimates`) instead of only bounding a page's. `PageSummaries` travels with the packed view as metadata; `OmittedRows`
-holds the omitted K/V rows page after page in the same order and goes to the offload
-store, so that a `PageRef` finds both a page's bound and its rows.
+each omitted row's logit (`row_estimates`) instead of only bounding a page's; and, with
+the codes, every page may carry its mean value row (`page_value_mean`), so the decode worker
+can add what the omitted rows would bring to attention without fetching them
+(services/offload/bound.py, `omitted_value_term`). `PageSummaries` travels with the packed
+view as metadata; `OmittedRows` holds the omitted K/V rows page after page in the same order
+and goes to the offload store, so that a `PageRef` finds both a page's bound and its rows.
 
 Owners are K/V heads, or query heads under the GQA reduction `expand` (then each owner's
 rows come from the K/V head `owner_to_kv_head[owner]`), exactly as in packing.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -63,6 +66,9 @@ class PageSummaries:
     # little-endian, 8 / b coordinates a byte: [N, d_h * b / 8] uint8.
     code_bits: int = 0
     row_codes: torch.Tensor | None = None
+    # Mean value row of every page, taken in float32 and stored in the value dtype (None: not
+    # carried; only with row codes, which estimate how much attention the page would take).
+    page_value_mean: torch.Tensor | None = None  # [P_total, d_h]
 
     def __post_init__(self) -> None:
         validate_summaries(self)
@@ -89,10 +95,11 @@ class PageSummaries:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the summaries as they travel: min, max, first, count and offsets."""
+        """Bytes of the summaries as they travel: min, max, first, count and offsets, and
+        the row codes and page value means when carried."""
         tensors = (self.page_min, self.page_max, self.page_first, self.page_count, self.page_offsets)
-        codes = _nbytes(self.row_codes) if self.row_codes is not None else 0
-        return sum(_nbytes(t) for t in tensors) + codes
+        extra = tuple(t for t in (self.row_codes, self.page_value_mean) if t is not None)
+        return sum(_nbytes(t) for t in (*tensors, *extra))
 
     @cached_property
     def code_table(self) -> CodeTable:
@@ -104,16 +111,33 @@ class PageSummaries:
 
     @property
     def code_table_bytes(self) -> int:
-        """Bytes `code_table` holds (0 without row codes), from the page layout alone, so
-        the ledger can charge them before any table is built: a bfloat16 coordinate and a
-        float32 mask per slot, page_size slots a page, every (layer, owner) as long as the
+        """Bytes `code_table` (and `value_grid`, with value means) hold (0 without row
+        codes), from the page layout alone, so the ledger can charge them before any table is
+        built: a bfloat16 coordinate and a float32 mask per slot, page_size slots a page, and
+        d_h bfloat16 values a page with value means, every (layer, owner) as long as the
         longest."""
         if self.row_codes is None:
             return 0
         per_segment = self.page_offsets[:, 1:] - self.page_offsets[:, :-1]  # [L, H_owner]
         longest = int(per_segment.max()) if per_segment.numel() else 0
-        slots = per_segment.numel() * longest * self.page_size
-        return slots * (self.head_dim * 2 + 4)
+        pages = per_segment.numel() * longest
+        values = pages * self.head_dim * 2 if self.page_value_mean is not None else 0
+        return pages * self.page_size * (self.head_dim * 2 + 4) + values
+
+    @cached_property
+    def value_grid(self) -> torch.Tensor:
+        """The page value means laid out like `code_table`'s pages: owner segment s's pages
+        in order, every segment padded to the longest (zeros), so one batched product weighs
+        them with the pages' estimated masses.  # [S, longest, d_h] bfloat16"""
+        means = self.page_value_mean
+        if means is None:
+            raise SummaryInvalid("page_value_mean", "these summaries carry no page value means")
+        table = self.code_table
+        segments = self.num_layers * self.num_owners
+        longest = int(table.slot_bias.shape[1]) // self.page_size
+        grid = torch.zeros(segments * longest, self.head_dim, dtype=torch.bfloat16)
+        grid.index_copy_(0, table.page_slot, means.to(torch.bfloat16))
+        return grid.view(segments, longest, self.head_dim)
 
     @property
     def row_estimates(self) -> torch.Tensor:
@@ -362,6 +386,36 @@ def gather_omitted(
     )
 
 
+def page_value_means(values: torch.Tensor, page_count: torch.Tensor) -> torch.Tensor:
+    """The mean value row of every page from its rows `values` `[N, d_h]` (page after page,
+    `page_count[p]` rows of page p), taken in float32, stored in the values' dtype; what the
+    prefill worker ships and what verify and recall recompute.  # [P_total, d_h]"""
+    count = page_count.long()
+    page = torch.repeat_interleave(torch.arange(count.numel()), count)
+    sums = torch.zeros(count.numel(), values.shape[1]).index_add_(0, page, values.float())
+    return sums.div_(count.clamp(min=1)[:, None].float()).to(values.dtype)
+
+
+def with_value_means(summaries: PageSummaries, rows: OmittedRows) -> PageSummaries:
+    """`summaries` carrying the mean value row of every page of `rows` (paged like them)."""
+    return replace(summaries, page_value_mean=page_value_means(rows.v, summaries.page_count))
+
+
+def value_mean_matches(expected: torch.Tensor, values: torch.Tensor, count: torch.Tensor) -> bool:
+    """Whether `expected` `[P, d_h]` is the mean of the pages' rows `values`: equal within
+    two units of the value dtype's rounding of the largest row magnitude (the prefill worker
+    may sum on another device, in another order), far below what one shifted or edited row
+    moves (a row's whole value over the page's count)."""
+    got = page_value_means(values, count).float()
+    if tuple(got.shape) != tuple(expected.shape):
+        return False
+    page = torch.repeat_interleave(torch.arange(count.numel()), count.long())
+    reach = torch.zeros(count.numel()).scatter_reduce_(0, page, values.float().abs().amax(dim=1),
+                                                       "amax", include_self=False)
+    allowed = reach * 2 * torch.finfo(values.dtype).eps + torch.finfo(torch.float32).tiny
+    return bool(((got - expected.float()).abs().amax(dim=1) <= allowed).all())
+
+
 def validate_summaries(summaries: PageSummaries, *, frontier: int | None = None) -> None:
     """Check the summaries' internal consistency; raises SummaryInvalid naming the field.
 
@@ -389,6 +443,7 @@ def validate_summaries(summaries: PageSummaries, *, frontier: int | None = None)
         raise SummaryInvalid("page_first", f"negative position {int(first.min())}")
     _check_pages_ascending(first, count, summaries.page_offsets)
     _check_row_codes(summaries, int(count.sum()) if num_pages else 0)
+    _check_value_means(summaries, num_pages)
     if frontier is not None and num_pages and int((first + count).max()) > frontier:
         raise SummaryInvalid(
             "page_first", f"a page reaches position {int((first + count).max()) - 1} >= {frontier}"
@@ -432,6 +487,21 @@ def _check_row_codes(summaries: PageSummaries, rows: int) -> None:
     if codes.dtype != torch.uint8 or tuple(codes.shape) != expected:
         raise SummaryInvalid("row_codes", f"expected {list(expected)} uint8, got "
                              f"{list(codes.shape)} {codes.dtype}")
+
+
+def _check_value_means(summaries: PageSummaries, num_pages: int) -> None:
+    means = summaries.page_value_mean
+    if means is None:
+        return
+    if summaries.row_codes is None:
+        raise SummaryInvalid("page_value_mean", "only carried with row codes (code_bits > 0)")
+    _check_host(summaries, ("page_value_mean",))
+    expected = (num_pages, summaries.head_dim)
+    if tuple(means.shape) != expected or not means.dtype.is_floating_point:
+        raise SummaryInvalid("page_value_mean", f"expected {list(expected)} float, got "
+                             f"{list(means.shape)} {means.dtype}")
+    if not bool(torch.isfinite(means).all()):
+        raise SummaryInvalid("page_value_mean", "must hold finite values")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, RecoverabilityMode
-from services.offload.pages import OmittedRows, PageSummaries, gather_omitted, summarize_pages
+from services.offload.pages import (
+    OmittedRows,
+    PageSummaries,
+    gather_omitted,
+    summarize_pages,
+    with_value_means,
+)
 
 
 @dataclass(frozen=True)
@@ -42,4 +48,6 @@ def offload_plan(
     summaries = summarize_pages(source_k, positions, contract.page_size, owner_map,
                                 code_bits=contract.key_code_bits or 0)
     rows = gather_omitted(source_k, source_v, summaries, owner_map)
+    if contract.omitted_value_term:
+        summaries = with_value_means(summaries, rows)
     return OffloadPlan(contract.mode, summaries, rows)

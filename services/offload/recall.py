@@ -40,6 +40,15 @@ A step, in order (each numbered step is one public call, so a decode loop other 
    Requests that recalled nothing get the same logits as in the first run.
 6. `end_step(outcome)` counts the step, for every session of the batch.
 
+The omitted-value term (`recoverability.omitted_value_term`, with row codes): at every
+evaluated step, `plan` also estimates what the pages that stay omitted after this step's
+recall would add to attention (`bound.omitted_value_term`: their rows' code-estimated mass
+carrying the pages' mean values) and sets it on the cache (`DecodeCache.set_omitted_term`),
+which merges it into every layer's attention at every step until the next evaluation
+replaces it. A recomputed step runs again with it; so does the first step that sets one, so
+the cue step already reads it. Recalled pages leave it; pages whose recall failed rejoin it
+at the next evaluated step.
+
 Deferred recalls (`RecallStrategy`, after the session's first `recompute_steps` steps): step
 3 becomes `start(plan, ...)`, which hands the fetch (and the successor's construction) to a
 background thread and reports FETCHING; step 5 disappears. Before the *next* step runs,
@@ -80,12 +89,19 @@ from services.model.kvcache import DecodeCache, StepCapture
 from services.model.model import CausalLM
 from services.model.runtime import decode_step
 from services.offload.bound import (
+    CodeLogits,
+    LayerTerm,
     Ranking,
     RecallChoice,
     RecallPolicy,
     bound_omitted_mass,
     choose_estimated,
     choose_pages,
+    code_logits,
+    layer_value_term,
+    live_bias,
+    live_grid,
+    owner_readers,
     page_code_log_odds,
 )
 from services.offload.errors import (
@@ -95,7 +111,7 @@ from services.offload.errors import (
     SummaryInvalid,
 )
 from services.offload.merge import recall_successor, recalled_position_grid
-from services.offload.pages import PageRef, PageSummaries, RecalledPage
+from services.offload.pages import PageRef, PageSummaries, RecalledPage, value_mean_matches
 
 
 class PageFetcher(Protocol):
@@ -220,6 +236,12 @@ class RecallStrategy:
     # too (a copied span is read forward, one row a step: deferred rows that arrive a step
     # late are then already there when the step that reads them runs).
     successor_pages: int = 0
+    # The omitted-value term (manifests with `omitted_value_term`) is computed afresh from
+    # each layer's query every `term_refresh_steps` steps, and at every evaluated step and
+    # every step after a recall; in between each layer reuses its last term. 1: every step
+    # (a stale term moves a tiny model's logits away from the full cache's as often as
+    # towards it: tests/services/offload/test_offload_recall.py).
+    term_refresh_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.min_estimate is not None and self.ranking is Ranking.BOUND:
@@ -231,6 +253,10 @@ class RecallStrategy:
         if self.recompute_steps is not None and self.recompute_steps < 0:
             raise BoundInputInvalid(
                 "recompute_steps", f"must be >= 0 or None, got {self.recompute_steps}"
+            )
+        if self.term_refresh_steps < 1:
+            raise BoundInputInvalid(
+                "term_refresh_steps", f"must be positive, got {self.term_refresh_steps}"
             )
         if self.deferred_pages is not None and self.deferred_pages < 1:
             raise BoundInputInvalid(
@@ -251,13 +277,22 @@ DEFERRED_AFTER_FIRST = RecallStrategy(recompute_steps=1)
 # (docs/results/recall-smollm2/tuning.md, "Row codes").
 CODES_STRATEGY = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_estimate=-2.0,
                                 successor_pages=1)
+# With page value means too (`omitted_value_term`): the same, and the term computed afresh at
+# the evaluated steps (every second one under `VALUES_RECALL_KNOBS`), whose scoring it shares,
+# and reused in between. On the 8K tuning prompts computing it at every step answered the same
+# (3 of 3 at 10%, where the codes alone answer 2) at 1.8-2.0x the irrecoverable TPOT against
+# 1.6-1.8x (tuning.md, "The omitted-value term, served").
+VALUES_STRATEGY = replace(CODES_STRATEGY, term_refresh_steps=2)
 # What the decode worker runs (`decode_worker.recall`): see docs/results/recall-smollm2.
 WORKER_STRATEGY = DEFERRED_AFTER_FIRST
 
 
 def worker_strategy(summaries: PageSummaries | None) -> RecallStrategy:
     """The decode worker's strategy for a session: the codes ranking when its summaries
-    carry row codes (the manifest asked for them), else `WORKER_STRATEGY`."""
+    carry row codes (the manifest asked for them; with page value means, `VALUES_STRATEGY`),
+    else `WORKER_STRATEGY`."""
+    if summaries is not None and summaries.page_value_mean is not None:
+        return VALUES_STRATEGY
     if summaries is not None and summaries.row_codes is not None:
         return CODES_STRATEGY
     return WORKER_STRATEGY
@@ -343,6 +378,15 @@ class RecallSession:
                                     "(recoverability.key_code_bits)")
         if strategy.ranking is Ranking.CODES and summaries is not None:
             _ = summaries.code_table  # built at admission, not at the cue step
+        # The omitted-value term (`recoverability.omitted_value_term`): the cache asks it
+        # for every layer of every step (`attach_term`).
+        self.value_term: ValueTermSource | None = None
+        if contract.omitted_value_term and summaries is not None:
+            if summaries.page_value_mean is None:
+                raise SummaryInvalid("page_value_mean", "the manifest's omitted_value_term needs "
+                                     "summaries with page value means")
+            self.value_term = ValueTermSource(summaries, self._live)
+        self._logits: CodeLogits | None = None  # this step's code logits, once computed
 
     @property
     def enabled(self) -> bool:
@@ -500,8 +544,9 @@ class RecallSession:
         cap = policy.max_pages_per_step
         if strategy.deferred_pages is not None and self.defers():
             cap = min(cap, strategy.deferred_pages)
+        self._logits = self._step_logits(query, head_to_owner, scale)
         odds = page_code_log_odds(self.summaries, query, lse, head_to_owner, live=self._live,
-                                  scale=scale)
+                                  logits=self._logits)
         pages = choose_estimated(odds, self._live, cap, strategy.min_estimate,
                                  self.summaries.page_segment, strategy.successor_pages)
         return RecallChoice(pages=pages, triggered=bool(pages.numel()), full_recall=False,
@@ -522,6 +567,32 @@ class RecallSession:
             return RecallPlan(outcome)
         assert self.summaries is not None
         return RecallPlan(replace(outcome, pages=choice.page_refs(self.summaries)))
+
+    def prepare_term(self, cache: DecodeCache, *, fresh: bool) -> None:
+        """Before a step: the cache holds this request's omitted-value term (if its manifest
+        asks for one), computed afresh at this step when `fresh` (an evaluated step) or the
+        strategy's `term_refresh_steps` says so."""
+        term = self.value_term
+        if term is None:
+            return
+        if not bool(self._live.any()):  # every page recalled: attention reads rows only
+            if cache.has_omitted_term(self.request_id):
+                cache.clear_omitted_term(self.request_id)
+            return
+        if not cache.has_omitted_term(self.request_id):
+            term.bind(cache.head_to_owner, cache.scale)
+            cache.set_omitted_term(self.request_id, term)
+        term.begin_step(fresh=fresh or self.steps % self.strategy.term_refresh_steps == 0)
+
+    def _step_logits(self, query: torch.Tensor, head_to_owner: Sequence[int],
+                     scale: float) -> CodeLogits:
+        """This step's code logits: those the value term computed as the step's layers
+        attended (the same queries), else computed now."""
+        term = self.value_term
+        if term is not None and (logits := term.step_logits()) is not None:
+            return logits
+        assert self.summaries is not None
+        return code_logits(self.summaries, query, head_to_owner, scale=scale)
 
     def recall(self, plan: RecallPlan, cache: DecodeCache) -> RecallResult:
         """Steps 3 and 4: fetch the planned pages, publish the successor through
@@ -621,6 +692,70 @@ class RecallSession:
         )
 
 
+class ValueTermSource:
+    """One request's omitted-value term, as its decode cache asks for it layer by layer
+    (`OmittedTerm`): what the pages still omitted would add to attention, estimated from their
+    row codes and page value means (`bound.layer_value_term`).
+
+    Computed afresh, from the layer's own query, at every evaluated step (the step's recall
+    plan then reads the code logits it computed instead of scoring again) and every
+    `term_refresh_steps` of the strategy; in between each layer reuses its last term, with
+    the pages recalled since taken out at once (`LayerTerm.without`: their masses as that
+    query saw them). `live` is the session's tensor of pages still omitted (updated in place
+    as pages are recalled)."""
+
+    def __init__(self, summaries: PageSummaries, live: torch.Tensor) -> None:
+        _ = summaries.value_grid  # built at admission, not at the cue step
+        self.summaries = summaries
+        self._live = live
+        self._readers: torch.Tensor | None = None
+        self._scale = 1.0
+        layers = summaries.num_layers
+        self._terms: list[LayerTerm | None] = [None] * layers
+        self._term_live = [-1] * layers  # live pages when each layer's term was last updated
+        self._fresh_layers: set[int] = set()  # layers computed afresh at this step
+        self._fresh = True
+        self._live_count = -1  # live pages when `_bias` and `_grid` were built
+        self._bias: torch.Tensor | None = None  # `live_bias` of the live pages
+        self._grid: torch.Tensor | None = None  # `live_grid` of the live pages
+
+    def bind(self, head_to_owner: Sequence[int], scale: float) -> None:
+        """The cache's query-head layout and attention scale."""
+        self._readers = owner_readers(self.summaries, head_to_owner)
+        self._scale = scale
+
+    def begin_step(self, *, fresh: bool) -> None:
+        self._fresh = fresh
+        self._fresh_layers = set()
+
+    def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        live = int(self._live.sum())
+        if live == 0:
+            return None
+        if live != self._live_count:  # pages recalled since: they leave the term
+            self._bias = live_bias(self.summaries, self._live)
+            self._grid = live_grid(self.summaries, self._live)
+            self._live_count = live
+        term = self._terms[layer]
+        if term is None or self._fresh:
+            assert self._readers is not None and self._bias is not None, "bind() first"
+            term = layer_value_term(self.summaries, layer, query, self._readers, self._bias,
+                                    self._scale)
+            self._fresh_layers.add(layer)
+        elif self._term_live[layer] != live:
+            assert self._grid is not None
+            term = term.without(self.summaries, self._grid)
+        self._terms[layer], self._term_live[layer] = term, live
+        return term.log_mass, term.value
+
+    def step_logits(self) -> CodeLogits | None:
+        """The code logits every layer computed at this step (None unless all did)."""
+        terms = self._terms
+        if self._readers is None or len(self._fresh_layers) != len(terms):
+            return None
+        return CodeLogits(torch.cat([t.logits for t in terms if t is not None]), self._readers)
+
+
 def decode_with_recall(
     model: CausalLM,
     cache: DecodeCache,
@@ -634,6 +769,7 @@ def decode_with_recall(
     """
     slots = _session_slots(cache, sessions)
     outcomes: dict[str, RecallOutcome] = {}
+
     for request_id, session in sessions.items():  # deferred recalls: rows before the step
         if session.pending:
             result = session.collect()
@@ -645,6 +781,8 @@ def decode_with_recall(
         for request_id, s in sessions.items()
         if s.due() and not _failed(outcomes.get(request_id))
     }
+    for request_id, session in sessions.items():
+        session.prepare_term(cache, fresh=request_id in due)
     capture = StepCapture() if due else None
     logits = decode_step(model, cache, tokens, capture)
     for rid, s in sessions.items():
@@ -717,6 +855,7 @@ class RecallKnobs:
     fallback: TimeoutFallback = TimeoutFallback.CONTINUE_LOSSY
     full_recall_gate: float | None = None
     code_bits: int | None = None  # row codes with the summaries (`key_code_bits`)
+    value_term: bool = False  # page value means and the omitted-value term (needs code_bits)
 
     def contract(self, mode: RecoverabilityMode) -> RecoverabilityContract:
         """A recallable contract with these knobs (validated by the manifest's rules)."""
@@ -730,6 +869,7 @@ class RecallKnobs:
             timeout_fallback=self.fallback,
             full_recall_on_quality_gate=self.full_recall_gate,
             key_code_bits=self.code_bits,
+            omitted_value_term=True if self.value_term else None,
         )
 
 
@@ -754,6 +894,10 @@ DEFAULT_RECALL_KNOBS = RecallKnobs(
 # ranking (its floor is the strategy's `min_estimate`); it stays the default's.
 CODES_RECALL_KNOBS = replace(DEFAULT_RECALL_KNOBS, code_bits=4, max_pages_per_step=16,
                              cadence_steps=2)
+# The codes' knobs with the omitted-value term: every page also carries its mean value row
+# (d_h values a page on the wire and on the decode host) and each step's attention adds the
+# still-omitted pages' estimated mass carrying them (`ValueTermSource`).
+VALUES_RECALL_KNOBS = replace(CODES_RECALL_KNOBS, value_term=True)
 
 
 def with_recall(
@@ -853,3 +997,7 @@ def _check_page(summaries: PageSummaries, page: RecalledPage) -> None:
         or not bool(torch.isfinite(page.k).all())
     ):
         raise RecallUnavailable(f"rows of page {page.ref} do not match its summary")
+    means = summaries.page_value_mean
+    if means is not None and not value_mean_matches(means[index : index + 1], page.v,
+                                                    torch.tensor([count])):
+        raise RecallUnavailable(f"values of page {page.ref} do not average to its summary's mean")

@@ -7,7 +7,8 @@ worker's host tier, not its attention cache). In send order:
     page_count         [P]            int32      |  PageSummaries: the ledger's
     page_min           [P, d_h]       K dtype    |  page_summary_bytes
     page_max           [P, d_h]       K dtype    |
-    row_codes          [N, d_h b / 8] uint8     /   (only when the summaries carry b-bit codes)
+    row_codes          [N, d_h b / 8] uint8      |  (only when the summaries carry b-bit codes)
+    page_value_mean    [P, d_h]       V dtype   /   (only with `omitted_value_term`)
     omitted_k          [N, d_h]       K dtype   \\
     omitted_v          [N, d_h]       V dtype    |  host tier (recallable_local only): the
     omitted_positions  [N]            int32      |  ledger's host_tier_bytes
@@ -19,7 +20,8 @@ so a long prompt's summaries (an 8B model at 32K context with 16-row pages: ~200
 past a gRPC message, while on the pair group they are bytes moved like the view's own
 metadata, counted by the same ledger. The row codes (`key_code_bits` b of the manifest:
 1, 2 or 4) are N rows of d_h b-bit codes, one per omitted row page after page; b is read
-back from their width, so the descriptor needs no field of its own.
+back from their width, so the descriptor needs no field of its own; the page value means
+(the manifest's `omitted_value_term`) are there or not, and verify holds them to the manifest.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from services.transfer.layout import (
 )
 
 PAGE_FIELDS = ("page_offsets", "page_first", "page_count", "page_min", "page_max")
-SUMMARY_FIELDS = (*PAGE_FIELDS, "row_codes")  # row_codes: only with code bits
+# row_codes: only with code bits; page_value_mean: only with the omitted value term
+SUMMARY_FIELDS = (*PAGE_FIELDS, "row_codes", "page_value_mean")
 CODE_DTYPE = torch.uint8  # packed row codes, 8 / b codes a byte
 HOST_TIER_FIELDS = ("omitted_k", "omitted_v", "omitted_positions", "page_rows")
 SIDECAR_FIELDS = SUMMARY_FIELDS + HOST_TIER_FIELDS
@@ -92,6 +95,8 @@ class Sidecar:
         }
         if s.row_codes is not None:
             out["row_codes"] = s.row_codes
+        if s.page_value_mean is not None:
+            out["page_value_mean"] = s.page_value_mean
         if self.host_rows is not None:
             rows = self.host_rows
             out.update(omitted_k=rows.k, omitted_v=rows.v, omitted_positions=rows.positions,
@@ -103,7 +108,8 @@ class Sidecar:
 class SidecarLayout:
     """Shapes of a sidecar on the wire: pages, layers, owners, head dim, dtypes, page size,
     the host-tier row count (None: no host tier, `recallable_remote`) and the row codes' bits
-    and rows (0 and 0: no codes; with a host tier, one code row per host row)."""
+    and rows (0 and 0: no codes; with a host tier, one code row per host row), and whether
+    the page value means travel (only with codes)."""
 
     num_layers: int
     num_owners: int
@@ -115,6 +121,7 @@ class SidecarLayout:
     host_rows: int | None = None
     code_bits: int = 0
     coded_rows: int = 0
+    value_means: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_owners", "head_dim", "page_size"):
@@ -143,11 +150,15 @@ class SidecarLayout:
         if bits and self.host_rows is not None and rows != self.host_rows:
             reason = f"{rows} code rows for {self.host_rows} host rows"
             raise DescriptorInvalid("sidecar.coded_rows", reason)
+        if self.value_means and not bits:
+            raise DescriptorInvalid("sidecar.page_value_mean", "page value means without row codes")
 
     @classmethod
     def of(cls, sidecar: Sidecar, v_dtype: torch.dtype | None = None) -> SidecarLayout:
         s = sidecar.summaries
         rows = sidecar.host_rows
+        if rows is None and s.page_value_mean is not None:
+            v_dtype = s.page_value_mean.dtype
         return cls(
             num_layers=s.num_layers,
             num_owners=s.num_owners,
@@ -159,6 +170,7 @@ class SidecarLayout:
             host_rows=rows.num_rows if rows is not None else None,
             code_bits=s.code_bits,
             coded_rows=int(s.row_codes.shape[0]) if s.row_codes is not None else 0,
+            value_means=s.page_value_mean is not None,
         )
 
     def specs(self) -> tuple[TensorSpec, ...]:
@@ -175,6 +187,8 @@ class SidecarLayout:
         if self.code_bits:
             codes = (self.coded_rows, self.code_width)
             specs.append(TensorSpec("row_codes", codes, dtype_name(CODE_DTYPE)))
+        if self.value_means:
+            specs.append(TensorSpec("page_value_mean", (pages, d_h), value))
         if self.host_rows is not None:
             rows = self.host_rows
             specs += [
@@ -223,7 +237,7 @@ def sidecar_from_specs(specs: list[TensorSpec], page_size: int, v_dtype: torch.d
     if len(offsets.shape) != 2 or len(page_min.shape) != 2:
         raise DescriptorInvalid("tensors.page_offsets", "page_offsets and page_min must be 2-D")
     host = by_name.get("omitted_k")
-    local_v = by_name.get("omitted_v")
+    local_v = by_name.get("omitted_v") or by_name.get("page_value_mean")
     layout = SidecarLayout(
         num_layers=offsets.shape[0],
         num_owners=offsets.shape[1] - 1,
@@ -231,9 +245,10 @@ def sidecar_from_specs(specs: list[TensorSpec], page_size: int, v_dtype: torch.d
         head_dim=page_min.shape[1],
         page_size=page_size,
         k_dtype=dtype_from_name(page_min.dtype, "tensors.page_min.dtype"),
-        v_dtype=dtype_from_name(local_v.dtype, "tensors.omitted_v.dtype") if local_v else v_dtype,
+        v_dtype=dtype_from_name(local_v.dtype, f"tensors.{local_v.name}.dtype") if local_v else v_dtype,
         host_rows=None if host is None else (host.shape[0] if len(host.shape) == 2 else -1),
         **_codes_of(by_name.get("row_codes"), page_min.shape[1]),
+        value_means="page_value_mean" in by_name,
     )
     if tuple(specs) != layout.specs():
         raise DescriptorInvalid("tensors", f"sidecar specs {specs} != {list(layout.specs())}")
@@ -294,6 +309,7 @@ def sidecar_from_buffers(layout: SidecarLayout, buffers: dict[str, torch.Tensor]
             page_offsets=host["page_offsets"],
             code_bits=layout.code_bits,
             row_codes=host.get("row_codes"),
+            page_value_mean=host.get("page_value_mean"),
         )
         rows = None
         if layout.host_rows is not None:

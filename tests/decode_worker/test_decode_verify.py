@@ -362,3 +362,44 @@ def test_local_row_codes_that_are_not_the_host_rows_are_rejected(forge, prefille
     with pytest.raises(ViewRejected) as error:
         check_offload(manifest, handoff, Sidecar(summaries, car.host_rows), packed.view)
     assert error.value.field == "sidecar.row_codes"
+
+
+def with_values(manifest: KVVisibilityPolicyManifest) -> KVVisibilityPolicyManifest:
+    contract = dataclasses.replace(manifest.recoverability, omitted_value_term=True)
+    return dataclasses.replace(manifest, recoverability=contract)
+
+
+@pytest.mark.parametrize("mode", [LOCAL, REMOTE])
+def test_page_value_means_pass_with_the_manifest_that_asks_for_them_and_are_charged(mode, prefilled):
+    manifest = with_values(recallable(mode, 4))
+    packed, handoff, car = offloaded(manifest, prefilled)
+    means = car.summaries.page_value_mean
+    assert means is not None and means.dtype == packed.view.packed_v.dtype
+    check_offload(manifest, handoff, car, packed.view)
+    grid = car.summaries.value_grid
+    assert handoff.ledger.code_table_bytes == car.summaries.code_table.nbytes + grid.numel() * 2
+    # Carried without the manifest asking, or asked for and not carried: rejected.
+    for declared, sent in ((recallable(mode, 4), manifest), (manifest, recallable(mode, 4))):
+        packed, handoff, car = offloaded(declared, prefilled, summaries_of=sent)
+        with pytest.raises(ViewRejected) as error:
+            check_offload(declared, handoff, car, packed.view)
+        assert error.value.field == "sidecar.page_value_mean"
+
+
+@pytest.mark.parametrize("forge", ["shifted", "dtype"])
+def test_page_value_means_that_are_not_the_host_rows_means_are_rejected(forge, prefilled):
+    manifest = with_values(recallable(LOCAL, 4))
+    packed, handoff, car = offloaded(manifest, prefilled)
+    assert car.host_rows is not None and car.summaries.page_value_mean is not None
+    rows, summaries = car.host_rows, car.summaries
+    if forge == "shifted":  # the means of the host rows with one V row moved one row down
+        values = rows.v.clone()
+        values[1:] = rows.v[:-1].clone()
+        rows = dataclasses.replace(rows, v=values)
+    else:
+        means = summaries.page_value_mean
+        assert means is not None
+        summaries = dataclasses.replace(summaries, page_value_mean=means.double())
+    with pytest.raises(ViewRejected) as error:
+        check_offload(manifest, handoff, Sidecar(summaries, rows), packed.view)
+    assert error.value.field == "sidecar.page_value_mean"

@@ -471,6 +471,22 @@ def test_key_code_bits_need_a_recallable_mode() -> None:
     )
 
 
+def test_the_omitted_value_term_round_trips_needs_codes_and_is_only_ever_true() -> None:
+    data = {**RECALLABLE, "key_code_bits": 4, "omitted_value_term": True}
+    term = KVVisibilityPolicyManifest.from_dict(mutated(base(), "recoverability", data))
+    assert term.recoverability.omitted_value_term is True
+    again = KVVisibilityPolicyManifest.from_json(term.canonical_json())
+    assert again == term and again.sha256 == term.sha256
+    coded = KVVisibilityPolicyManifest.from_dict(
+        mutated(base(), "recoverability", {**RECALLABLE, "key_code_bits": 4}))
+    assert coded.sha256 != term.sha256 and b"omitted_value_term" not in coded.canonical_json()
+    for value in (False, 1, "true"):
+        expect_invalid(mutated(base(), "recoverability", {**data, "omitted_value_term": value}),
+                       "recoverability.omitted_value_term")
+    expect_invalid(mutated(base(), "recoverability", {**RECALLABLE, "omitted_value_term": True}),
+                   "recoverability.omitted_value_term")
+
+
 def test_full_policy_has_nothing_to_recall() -> None:
     expect_invalid(mutated(base("full"), "recoverability", dict(RECALLABLE)), "recoverability.mode")
 

@@ -402,7 +402,7 @@ def scalar_changes(value: Any, tp: Any) -> list[Any]:
     if value is None:
         if isinstance(tp, type) and issubclass(tp, StrEnum):
             return [next(iter(tp)).value]
-        return [{int: 1, float: 0.5, str: "x"}[tp]]
+        return [{bool: True, int: 1, float: 0.5, str: "x"}[tp]]
     if isinstance(value, bool):
         return [not value]
     if isinstance(value, StrEnum):

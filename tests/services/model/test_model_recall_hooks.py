@@ -116,3 +116,112 @@ def test_undo_step_refuses_once_rows_were_written_or_requests_changed() -> None:
     cache.admit_dense("other", torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8))
     with pytest.raises(InvalidModelInput, match="undo_step"):
         cache.undo_step()
+
+
+def _prompt(model: CausalLM, expand: bool) -> tuple[torch.Tensor, torch.Tensor, list, tuple | None]:
+    """`ragged_cache`'s prompt: keys, values `[L, H_kv, T, d_h]`, selection, owner map."""
+    config = model.config
+    owners = config.num_q_heads if expand else config.num_kv_heads
+    generator = torch.Generator().manual_seed(1)
+    k = torch.randn(2, config.num_kv_heads, PROMPT, config.head_dim, generator=generator)
+    v = torch.randn(2, config.num_kv_heads, PROMPT, config.head_dim, generator=generator)
+    selected = [[sorted({0, PROMPT - 1, *range(layer + owner, PROMPT, 2 + owner)})
+                 for owner in range(owners)] for layer in range(2)]
+    return k, v, selected, config.q_to_kv_head_map if expand else None
+
+
+class ExactTerm:
+    """The rows a ragged cache's owners omit, exactly: per layer and query head the
+    log-sum-exp of their logits under the layer's query, and their softmax-weighted values
+    (brute force, one head at a time). Records the queries it was asked with."""
+
+    def __init__(self, cache: DecodeCache, k: torch.Tensor, v: torch.Tensor, selected: list,
+                 owner_map: tuple | None) -> None:
+        self.cache, self.k, self.v, self.selected, self.owner_map = cache, k, v, selected, owner_map
+        self.asked: list[int] = []
+
+    def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.asked.append(layer)
+        heads = len(self.cache.head_to_owner)
+        mass, value = torch.full((heads,), -torch.inf), torch.zeros(heads, self.k.shape[-1])
+        for head, owner in enumerate(self.cache.head_to_owner):
+            kv = owner if self.owner_map is None else self.owner_map[owner]
+            omitted = [p for p in range(PROMPT) if p not in self.selected[layer][owner]]
+            logits = self.k[layer, kv, omitted] @ query[head] * self.cache.scale  # [n]
+            mass[head] = torch.logsumexp(logits, dim=0)
+            value[head] = logits.softmax(dim=0) @ self.v[layer, kv, omitted]
+        return mass, value
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_an_exact_omitted_term_makes_the_ragged_step_the_full_cache_step(expand: bool) -> None:
+    """The term merges with the paged rows through their log-sum-exp, layer by layer: given
+    the omitted rows' own mass and value, the ragged cache's steps are the full cache's."""
+    model = tiny_llama()
+    k, v, selected, owner_map = _prompt(model, expand)
+    full = DecodeCache(model.config, torch.float32, row_capacity=4)
+    full.admit_dense("req", k, v)
+    lossy = ragged_cache(model, expand)
+    cache = ragged_cache(model, expand)
+    term = ExactTerm(cache, k, v, selected, owner_map)
+    cache.set_omitted_term("req", term)
+    assert cache.has_omitted_term("req")
+    for token in (7, 3, 11):
+        want = decode_step(model, full, [token])
+        torch.testing.assert_close(decode_step(model, cache, [token]), want, atol=2e-5, rtol=0)
+        assert not torch.allclose(decode_step(model, lossy, [token]), want, atol=1e-3)
+    assert term.asked == [0, 1] * 3
+    # Cleared, the next step reads the rows only: the lossy cache's step, given the same rows.
+    cache.clear_omitted_term("req")
+    assert not cache.has_omitted_term("req")
+    decode_step(model, cache, [5])
+    assert term.asked == [0, 1] * 3
+
+
+def test_a_term_of_no_mass_changes_nothing_and_leaves_the_other_requests_alone() -> None:
+    model = tiny_llama()
+    k, v, selected, owner_map = _prompt(model, False)
+
+    def batch() -> DecodeCache:  # "req" ragged, "b" a short dense prompt
+        cache = ragged_cache(model, expand=False)
+        cache.admit_dense("b", k[:, :, :5], v[:, :, :5])
+        return cache
+
+    plain = decode_step(model, batch(), [7, 4])
+    cache = batch()
+    heads, d_h = model.config.num_q_heads, model.config.head_dim
+    cache.set_omitted_term("req", lambda layer, q: (torch.full((heads,), -torch.inf),
+                                                    torch.zeros(heads, d_h)))
+    assert torch.equal(decode_step(model, cache, [7, 4]), plain)
+    cache.undo_step()
+    cache.set_omitted_term("req", lambda layer, q: None)  # nothing omitted
+    assert torch.equal(decode_step(model, cache, [7, 4]), plain)
+    cache.undo_step()
+    cache.set_omitted_term("req", ExactTerm(cache, k, v, selected, owner_map))
+    merged = decode_step(model, cache, [7, 4])
+    assert torch.equal(merged[1], plain[1])  # "b" has no term
+    assert not torch.allclose(merged[0], plain[0], atol=1e-4)
+    cache.release("req")
+    assert not cache.has_omitted_term("req") and not cache.has_omitted_term("b")
+    with pytest.raises(InvalidModelInput, match="not admitted"):
+        cache.clear_omitted_term("req")
+
+
+@pytest.mark.parametrize(
+    ("mass", "value"),
+    [
+        (torch.zeros(3), torch.zeros(4, 8)),
+        (torch.zeros(4), torch.zeros(4, 7)),
+        (torch.full((4,), torch.nan), torch.zeros(4, 8)),
+        (torch.full((4,), torch.inf), torch.zeros(4, 8)),
+        (torch.zeros(4), torch.full((4, 8), torch.inf)),
+    ],
+)
+def test_a_malformed_term_is_refused_naming_the_request(mass: torch.Tensor,
+                                                        value: torch.Tensor) -> None:
+    model = tiny_llama()
+    cache = ragged_cache(model, expand=False)
+    cache.set_omitted_term("req", lambda layer, q: (mass, value))
+    with pytest.raises(InvalidModelInput, match="'req': layer 0") as error:
+        decode_step(model, cache, [7])
+    assert error.value.field == "omitted_term"

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from services.offload.bound import choose_estimated, page_code_log_odds
+from services.offload.bound import (
+    choose_estimated,
+    code_logits,
+    omitted_value_term,
+    page_code_log_odds,
+)
 from services.offload.errors import BoundInputInvalid, SummaryInvalid
-from services.offload.pages import PageSummaries, encode_codes, summarize_pages, unpack_codes
+from services.offload.pages import (
+    PageSummaries,
+    encode_codes,
+    gather_omitted,
+    summarize_pages,
+    unpack_codes,
+    value_mean_matches,
+    with_value_means,
+)
 from services.offload.recall import CODES_STRATEGY, RecallStrategy, worker_strategy
 
 torch.set_num_threads(1)
@@ -185,3 +199,101 @@ def test_the_codes_strategy_needs_codes_and_the_worker_picks_it_only_with_them()
     with pytest.raises(BoundInputInvalid) as wrong:
         RecallStrategy(successor_pages=1)
     assert wrong.value.field == "successor_pages"
+
+
+def _with_values(seed: int, *, uneven: bool, bits: int = 4) -> tuple[PageSummaries, torch.Tensor]:
+    """A case's summaries with page value means, and its values `[L, H_kv, T, d_h]`."""
+    keys, selected = _case(seed, uneven=uneven)
+    values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(seed + 100))
+    pages = summarize_pages(keys, selected, 4, code_bits=bits)
+    return with_value_means(pages, gather_omitted(keys, values, pages)), values
+
+
+def test_page_value_means_are_each_pages_mean_and_travel_and_are_charged() -> None:
+    pages, values = _with_values(7, uneven=True)
+    segment, position = pages.rows()
+    owners = pages.num_owners
+    rows = values[segment // owners, segment % owners, position]  # [N, d_h]
+    assert pages.page_value_mean is not None
+    for page in range(pages.num_pages):
+        expected = rows[pages.row_page == page].mean(dim=0)
+        torch.testing.assert_close(pages.page_value_mean[page], expected, atol=1e-6, rtol=0)
+    plain = replace(pages, page_value_mean=None)
+    assert pages.nbytes == plain.nbytes + pages.num_pages * 16 * 4
+    grid = pages.value_grid  # [S, longest, d_h] bfloat16, pages where the codes table has them
+    cells = grid.reshape(-1, 16)
+    assert torch.equal(cells[pages.code_table.page_slot], pages.page_value_mean.to(torch.bfloat16))
+    unused = torch.ones(cells.shape[0], dtype=torch.bool)
+    unused[pages.code_table.page_slot] = False
+    assert bool((cells[unused] == 0).all())
+    assert pages.code_table_bytes == pages.code_table.nbytes + grid.numel() * 2
+    assert plain.code_table_bytes == pages.code_table.nbytes
+    assert value_mean_matches(pages.page_value_mean, rows, pages.page_count)
+    shifted = rows.clone()
+    shifted[[0, 1]] = shifted[[1, 0]]  # a V row moved to its neighbour in the same page
+    shifted[[2, 5]] = shifted[[5, 2]]  # and across pages
+    assert not value_mean_matches(pages.page_value_mean, shifted, pages.page_count)
+
+
+def test_summaries_refuse_value_means_without_codes_or_of_the_wrong_shape() -> None:
+    pages, _ = _with_values(8, uneven=False)
+    means = pages.page_value_mean
+    assert means is not None
+    cases = [
+        dict(code_bits=0, row_codes=None, page_value_mean=means),
+        dict(page_value_mean=means[1:]),
+        dict(page_value_mean=means[:, 1:]),
+        dict(page_value_mean=means.int()),
+        dict(page_value_mean=torch.full_like(means, math.nan)),
+    ]
+    for change in cases:
+        with pytest.raises(SummaryInvalid) as error:
+            replace(pages, **change)
+        assert error.value.field == "page_value_mean"
+    with pytest.raises(SummaryInvalid) as absent:
+        _ = replace(pages, page_value_mean=None).value_grid
+    assert absent.value.field == "page_value_mean"
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_the_omitted_value_term_equals_brute_force_over_the_estimates_and_means(
+    uneven: bool,
+) -> None:
+    """Per query head: the log of sum over live pages and their rows of e^{s q . k^}, and the
+    pages' mean values weighted by their rows' summed e^{s q . k^}."""
+    pages, _ = _with_values(9, uneven=uneven)
+    head_to_owner = [0, 0, 1, 1]
+    gen = torch.Generator().manual_seed(10)
+    query = torch.randn(3, 4, 16, generator=gen)
+    live = torch.rand(pages.num_pages, generator=gen) > 0.3
+    live[pages.page_segment == 0] = False  # an owner with nothing live: no mass
+    scale = 0.25
+    logits = code_logits(pages, query, head_to_owner, scale=scale)
+    term = omitted_value_term(pages, logits, live)
+    estimates = pages.row_estimates.double()
+    means = pages.page_value_mean
+    assert means is not None
+    mass = torch.full((3, 4), -math.inf, dtype=torch.float64)
+    value = torch.zeros(3, 4, 16, dtype=torch.float64)
+    for layer in range(3):
+        for head, owner in enumerate(head_to_owner):
+            segment = layer * pages.num_owners + owner
+            alive = [p for p in range(pages.num_pages)
+                     if pages.page_segment[p] == segment and live[p]]
+            if not alive:
+                continue
+            page_mass = torch.stack([torch.logsumexp(
+                estimates[pages.row_page == p] @ query[layer, head].double() * scale, 0)
+                for p in alive])
+            mass[layer, head] = torch.logsumexp(page_mass, 0)
+            value[layer, head] = page_mass.softmax(0) @ means[alive].double()
+    assert torch.allclose(term.log_mass.double(), mass, atol=3e-2, rtol=0)  # bfloat16 table
+    assert torch.allclose(term.value.double(), value, atol=3e-2, rtol=0)
+    assert bool(torch.isinf(term.log_mass[0, :2]).all()) and bool((term.value[0, :2] == 0).all())
+    assert not term.empty
+    assert omitted_value_term(pages, logits, torch.zeros_like(live)).empty
+    # The page log-odds read the same logits when given them.
+    lse = torch.randn(3, 4, generator=gen).double()
+    assert torch.equal(page_code_log_odds(pages, query, lse, head_to_owner, live=live, scale=scale),
+                       page_code_log_odds(pages, query, lse, head_to_owner, live=live,
+                                          logits=logits))

@@ -25,7 +25,7 @@ from services.model import DecodeCache, PrefillOptions, PrefillResult, decode_st
 from services.model.config import make_tensor_contract, parse_model_config
 from services.model.kvcache import StepCapture
 from services.model.model import CausalLM
-from services.offload.bound import Ranking, page_midpoint_logits
+from services.offload.bound import Ranking, code_logits, omitted_value_term, page_midpoint_logits
 from services.offload.errors import BoundInputInvalid, RecallFailed, RecallUnavailable
 from services.offload.pages import (
     OmittedRows,
@@ -34,6 +34,7 @@ from services.offload.pages import (
     RecalledPage,
     gather_omitted,
     summarize_pages,
+    with_value_means,
 )
 from services.offload.recall import (
     RecallKnobs,
@@ -115,6 +116,8 @@ def compress(
     summaries = summarize_pages(result.source_k, selected, knobs.page_size,
                                 code_bits=knobs.code_bits or 0)
     rows = gather_omitted(result.source_k, result.source_v, summaries)
+    if knobs.value_term:
+        summaries = with_value_means(summaries, rows)
     first = int(result.logits.argmax())
     return Compressed(manifest, result, selected, view, summaries, rows, state, first)
 
@@ -835,3 +838,116 @@ def test_strategy_rejects_bad_settings(kwargs: dict[str, object], field: str) ->
     with pytest.raises(BoundInputInvalid) as info:
         RecallStrategy(**kwargs)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+VALUES = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=2, cadence_steps=2,
+                     code_bits=4, value_term=True)
+
+
+def test_the_value_term_leaves_with_the_pages_it_covers(model: CausalLM) -> None:
+    """Every page recalled at the first step: nothing stays omitted, no term, and the decode
+    is the full cache's."""
+    knobs = replace(ALL_AT_ONCE, code_bits=4, value_term=True)
+    compressed = compress(model, knobs)
+    assert compressed.summaries.page_value_mean is not None
+    session = RecallSession(compressed.manifest, compressed.summaries,
+                            StoreFetcher(compressed.rows), state=compressed.state,
+                            strategy=RecallStrategy(ranking=Ranking.CODES))
+    cache = view_cache(model, compressed)
+    recalled, outcomes = greedy_with_recall(model, cache, session, compressed.first_token)
+    assert outcomes[0].rows == compressed.summaries.omitted_rows and session.live_pages == 0
+    assert not cache.has_omitted_term("req")
+    full = greedy(model, dense_cache(model, compressed), compressed.first_token)
+    for ours, reference in zip(recalled, full, strict=True):
+        torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+def test_the_value_term_is_fresh_when_due_and_reused_between(model: CausalLM) -> None:
+    """The cache asks the term layer by layer with the layer's query: at a fresh step it
+    is `omitted_value_term` of those queries (and its code logits are what the recall plan
+    reads), at a step between refreshes each layer's last term, and once pages leave the
+    live set the next step is fresh without them."""
+    compressed = compress(model, VALUES, seed=1)
+    session = RecallSession(compressed.manifest, compressed.summaries,
+                            StoreFetcher(compressed.rows), state=compressed.state,
+                            strategy=RecallStrategy(ranking=Ranking.CODES, term_refresh_steps=2))
+    term = session.value_term
+    assert term is not None
+    cache = view_cache(model, compressed)
+    summaries = compressed.summaries
+    term.bind(cache.head_to_owner, cache.scale)
+    gen = torch.Generator().manual_seed(5)
+    queries = torch.randn(2, 4, 8, generator=gen)  # [L, H_q, d_h]
+    term.begin_step(fresh=True)
+    parts = [term(layer, queries[layer]) for layer in range(2)]
+    logits = code_logits(summaries, queries, cache.head_to_owner, scale=cache.scale)
+    whole = omitted_value_term(summaries, logits)
+    for layer, part in enumerate(parts):
+        assert part is not None
+        torch.testing.assert_close(part[0], whole.log_mass[layer], atol=1e-4, rtol=0)
+        torch.testing.assert_close(part[1], whole.value[layer], atol=1e-4, rtol=0)
+    step_logits = term.step_logits()
+    assert step_logits is not None
+    torch.testing.assert_close(step_logits.logits, logits.logits, atol=1e-4, rtol=0)
+    term.begin_step(fresh=False)  # between refreshes: the last term, whatever the query
+    stale = term(0, torch.randn(4, 8, generator=gen))
+    assert stale is not None and stale[0] is parts[0][0] and stale[1] is parts[0][1]
+    assert term.step_logits() is None
+    session._live[:3] = False  # three pages recalled: taken out of the term at once, with the
+    term.begin_step(fresh=False)  # masses the term's query gave them
+    again = term(0, torch.randn(4, 8, generator=gen))
+    assert again is not None and again[0] is not parts[0][0]
+    fewer = omitted_value_term(summaries, logits, session._live)
+    torch.testing.assert_close(again[0], fewer.log_mass[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(again[1], fewer.value[0], atol=1e-4, rtol=0)
+    session._live[:] = False
+    term.begin_step(fresh=True)
+    assert term(0, queries[0]) is None
+    # Through the session: attached to the cache at the first step.
+    fresh = RecallSession(compressed.manifest, summaries, StoreFetcher(compressed.rows),
+                          state=compressed.state,
+                          strategy=RecallStrategy(ranking=Ranking.CODES, min_estimate=50.0))
+    cache = view_cache(model, compressed)
+    step = fresh.decode_step(model, cache, compressed.first_token)
+    assert cache.has_omitted_term("req") and not step.recomputed
+    assert step.outcomes["req"].status is RecallStatus.BELOW_THRESHOLD
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_value_term_brings_the_decode_closer_to_the_full_cache(model: CausalLM,
+                                                                  seed: int) -> None:
+    """Teacher-forced on the full cache's tokens, without any recall (a floor nothing clears):
+    with the term the logits are nearer the full cache's, at the first step and over all."""
+    compressed = compress(model, VALUES, seed=seed)
+    floor = RecallStrategy(ranking=Ranking.CODES, min_estimate=50.0)
+    full = greedy(model, dense_cache(model, compressed), compressed.first_token, steps=8)
+    tokens = [compressed.first_token] + [int(x.argmax()) for x in full[:-1]]
+    session = RecallSession(compressed.manifest, compressed.summaries,
+                            StoreFetcher(compressed.rows), state=compressed.state, strategy=floor)
+    with_term, without = view_cache(model, compressed), view_cache(model, compressed)
+    errors = []
+    for token, reference in zip(tokens, full, strict=True):
+        ours = session.decode_step(model, with_term, token).logits[0]
+        lossy = decode_step(model, without, [token])[0]
+        errors.append((float((ours - reference).norm()), float((lossy - reference).norm())))
+    assert session.recalled_rows == 0
+    assert errors[0][0] < 0.8 * errors[0][1]
+    assert sum(e[0] for e in errors) < 0.8 * sum(e[1] for e in errors)
+
+
+def test_recalled_values_that_do_not_average_to_the_page_mean_are_never_merged(
+    model: CausalLM,
+) -> None:
+    compressed = compress(model, replace(ALL_AT_ONCE, code_bits=4, value_term=True))
+    honest = StoreFetcher(compressed.rows)
+
+    def shifted(refs: Sequence[PageRef], timeout_s: float) -> Sequence[RecalledPage]:
+        pages = list(honest(refs, timeout_s))
+        pages[0], pages[1] = replace(pages[0], v=pages[1].v[: pages[0].v.shape[0]]), pages[1]
+        return pages
+
+    session = RecallSession(compressed.manifest, compressed.summaries, shifted,
+                            state=compressed.state, strategy=RecallStrategy(ranking=Ranking.CODES))
+    step = session.decode_step(model, view_cache(model, compressed), compressed.first_token)
+    assert step.outcomes["req"].status is RecallStatus.CONTINUED_LOSSY
+    assert "average" in (step.outcomes["req"].reason or "")

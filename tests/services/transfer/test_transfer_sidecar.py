@@ -18,7 +18,7 @@ from kv_helpers import symbolic_kv
 from services.kvpolicy.ledger import build_ledger
 from services.kvpolicy.manifest import DType, TensorContract
 from services.kvpolicy.packing import pack
-from services.offload.pages import gather_omitted, summarize_pages, unpack_codes
+from services.offload.pages import gather_omitted, summarize_pages, unpack_codes, with_value_means
 from services.transfer import (
     Deadline,
     DescriptorInvalid,
@@ -51,10 +51,13 @@ def pair():
     receiver.close()
 
 
-def sidecar(local: bool, code_bits: int = 0) -> tuple[Sidecar, torch.Tensor, torch.Tensor]:
+def sidecar(local: bool, code_bits: int = 0, values: bool = False) -> tuple[Sidecar, torch.Tensor, torch.Tensor]:
     k, v = symbolic_kv(LAYERS, HEADS, TOKENS, HEAD_DIM)
     summaries = summarize_pages(k, SELECTED, PAGE, code_bits=code_bits)
-    return Sidecar(summaries, gather_omitted(k, v, summaries) if local else None), k, v
+    rows = gather_omitted(k, v, summaries)
+    if values:
+        summaries = with_value_means(summaries, rows)
+    return Sidecar(summaries, rows if local else None), k, v
 
 
 def describe(sender: KVSender, address: str, car: Sidecar, view_k: torch.Tensor, view_v: torch.Tensor):
@@ -71,18 +74,21 @@ def describe(sender: KVSender, address: str, car: Sidecar, view_k: torch.Tensor,
 
 
 @pytest.mark.parametrize(
-    ("local", "code_bits"),
-    [(False, 0), (True, 0), (False, 1), (True, 2), (True, 4), (False, 4)],
-    ids=["remote", "local", "remote-1bit", "local-2bit", "local-4bit", "remote-4bit"],
+    ("local", "code_bits", "values"),
+    [(False, 0, False), (True, 0, False), (False, 1, False), (True, 2, False), (True, 4, False),
+     (False, 4, False), (False, 4, True), (True, 2, True)],
+    ids=["remote", "local", "remote-1bit", "local-2bit", "local-4bit", "remote-4bit",
+         "remote-4bit-values", "local-2bit-values"],
 )
 def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(
-    pair, local: bool, code_bits: int
+    pair, local: bool, code_bits: int, values: bool
 ) -> None:
     receiver, sender = pair
-    car, k, v = sidecar(local, code_bits)
+    car, k, v = sidecar(local, code_bits, values)
     view, descriptor, lease, deadline = describe(sender, receiver.address, car, k, v)
     message = descriptor_to_proto(descriptor)
     assert ("row_codes" in [t.name for t in message.tensors]) == bool(code_bits)
+    assert ("page_value_mean" in [t.name for t in message.tensors]) == values
     wire = descriptor_from_proto(message)
     assert wire == descriptor and wire.nbytes == descriptor.nbytes
     assert wire.sidecar is not None and wire.sidecar.code_bits == code_bits
@@ -116,6 +122,20 @@ def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(
         assert torch.equal(unpack_codes(summaries.row_codes, code_bits, HEAD_DIM).float(), expected)
     else:
         assert summaries.row_codes is None
+    if values:
+        # Independent of the codec: symbolic V = K + 5000, so at coordinate 0 a page's mean is
+        # 5000 + 1000 layer + 100 owner + 10 x the mean of its positions.
+        assert summaries.page_value_mean is not None
+        segment, positions = summaries.rows()
+        page = summaries.row_page
+        mean_position = torch.zeros(summaries.num_pages).index_add_(0, page, positions.float())
+        mean_position /= summaries.page_count.float()
+        owner_of_page = summaries.page_segment
+        expected = 5000 + 1000.0 * (owner_of_page // HEADS) + 100 * (owner_of_page % HEADS) + 10 * mean_position
+        assert torch.allclose(summaries.page_value_mean[:, 0], expected)
+        assert torch.equal(summaries.page_value_mean, car.summaries.page_value_mean)
+    else:
+        assert summaries.page_value_mean is None
     if local:
         assert got.host_rows is not None
         segment, positions = summaries.rows()
@@ -134,7 +154,8 @@ def test_summaries_and_host_rows_arrive_exactly_and_bytes_equal_the_ledger(
     assert (ledger.host_tier_bytes > 0) == local
     uncoded = summarize_pages(k, SELECTED, PAGE).nbytes
     code_bytes = car.summaries.omitted_rows * HEAD_DIM * code_bits // 8
-    assert ledger.page_summary_bytes == uncoded + code_bytes
+    mean_bytes = car.summaries.num_pages * HEAD_DIM * 4 if values else 0
+    assert ledger.page_summary_bytes == uncoded + code_bytes + mean_bytes
 
 
 def test_a_sidecar_that_is_not_the_announced_one_is_refused(pair) -> None:
@@ -244,3 +265,22 @@ def test_received_codes_that_do_not_fit_the_pages_are_refused() -> None:
     assert caught.value.field == "sidecar.row_codes"
     whole = sidecar_from_buffers(layout, dict(car.tensors()), TransferKey("req-1", 1, 1, "t1"))
     assert whole.summaries.code_bits == 4
+
+
+def test_page_value_means_are_announced_only_with_codes_and_sent_only_when_announced(pair) -> None:
+    with pytest.raises(DescriptorInvalid) as bare:
+        SidecarLayout(LAYERS, HEADS, 4, HEAD_DIM, PAGE, torch.float32, torch.float32,
+                      value_means=True)
+    assert bare.value.field == "sidecar.page_value_mean"
+    receiver, sender = pair
+    car, k, v = sidecar(local=False, code_bits=4)
+    valued, _, _ = sidecar(local=False, code_bits=4, values=True)
+    _view, descriptor, lease, deadline = describe(sender, receiver.address, car, k, v)
+    assert "page_value_mean" not in [s.name for s in descriptor.sidecar.specs()]
+    transfer = sender.start_send(descriptor, lease, deadline)
+    try:
+        with pytest.raises(TransferMismatch) as extra:
+            transfer.send_sidecar(valued)  # means the descriptor does not announce
+        assert extra.value.field == "sidecar"
+    finally:
+        transfer.cancel("test over")
