@@ -68,7 +68,7 @@ def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress:
 @eval_app.command("recall")
 def eval_recall(
     checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
-    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts) or shared-cpu (4K, 2 tasks x 4 prompts)."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts) or shared-cpu-8k (8K, single needle x 2 prompts, batch 2)."),
     prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
     out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
     threads: int = typer.Option(1, help="torch CPU threads."),
@@ -414,7 +414,7 @@ def bench_http(
 def bench_recall(
     checkpoint: Path | None = typer.Option(None, help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
     seeds: str | None = typer.Option(None, help="Comma-separated question seeds (default 7 (the demo's), 201-206; recall was tuned on 101-106 and RULER prompts)."),
-    policies: str | None = typer.Option(None, help="Comma-separated manifest names the gateway registers (default full, snapkv, snapkv-recall, snapkv-recall-codes); snapkv is the TPOT baseline."),
+    policies: str | None = typer.Option(None, help="Comma-separated manifest names the gateway registers (default full, snapkv, snapkv-recall, snapkv-recall-codes, snapkv-recall-values); snapkv is the TPOT baseline."),
     context_tokens: int = typer.Option(3000, help="Tokens of real text around the needle."),
     max_tokens: int = typer.Option(32, help="Output tokens per request at most."),
     out: Path = typer.Option(Path("docs/results/recall-served.md"), help="Markdown summary (a PNG and a JSON beside it)."),

@@ -61,6 +61,8 @@ from services.offload.recall import (
     CODES_STRATEGY,
     DEFAULT_RECALL_KNOBS,
     DEFERRED_AFTER_FIRST,
+    VALUES_RECALL_KNOBS,
+    VALUES_STRATEGY,
     RecallKnobs,
     RecallOutcome,
     RecallSession,
@@ -116,6 +118,11 @@ DEFERRED_K3 = RecallVariant("deferred-k3", DEFAULT_RECALL_KNOBS, RecallStrategy(
 # the cue step recomputed and later recalls deferred (what the decode worker runs for such a
 # manifest, `worker_strategy`). Chosen on prompts from `TUNE_SEED` (tuning.md, "Row codes").
 CODES = RecallVariant("codes", CODES_RECALL_KNOBS, CODES_STRATEGY)
+# The same, with the omitted-value term: each step's attention also takes the still-omitted
+# pages' code-estimated mass carrying their mean values, computed afresh at the evaluated
+# steps and reused in between (`VALUES_STRATEGY`, what the decode worker runs for such a
+# manifest). Chosen on prompts from `TUNE_SEED` (tuning.md, "The omitted-value term, served").
+VALUES = RecallVariant("values", VALUES_RECALL_KNOBS, VALUES_STRATEGY)
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ class RecallRulerConfig:
     prompts: int = 8
     budgets: tuple[float, ...] = (0.10, 0.25)
     tasks: tuple[Variant, ...] = TASKS
-    variants: tuple[RecallVariant, ...] = (TODAY, DEFERRED, DEFERRED_K3, CODES)
+    variants: tuple[RecallVariant, ...] = (TODAY, DEFERRED, DEFERRED_K3, CODES, VALUES)
     presses: tuple[str, ...] = ("snapkv", "expected_attention")
     kvpress_lengths: tuple[int, ...] = (4096,)
     kvpress_prompts: int = 2  # the cell's first prompts (each press x budget is a prefill)
@@ -161,8 +168,13 @@ PRESETS: dict[str, RecallRulerConfig] = {
     "full": RecallRulerConfig(),
     # What the shared 2-core machine could afford for the issue's report: 4K, the three
     # tasks, four prompts per cell, a batch of 8 filled with repeats, kvpress on one prompt per
-    # cell, the worker's strategy without codes and with them.
-    "shared-cpu": RecallRulerConfig(prompts=4, variants=(DEFERRED, CODES), kvpress_prompts=1),
+    # cell, the worker's strategy without codes, with them, and with the omitted-value term.
+    "shared-cpu": RecallRulerConfig(prompts=4, variants=(DEFERRED, CODES, VALUES),
+                                    kvpress_prompts=1),
+    # Its 8K part: single needle, two prompts per cell decoded as one batch of 2, no kvpress
+    # (a transformers prefill at 8K per press and budget is past what the machine affords).
+    "shared-cpu-8k": RecallRulerConfig(lengths=(8192,), prompts=2, tasks=TASKS[:1],
+                                       variants=(DEFERRED, CODES, VALUES), presses=(), batch=2),
 }
 
 

@@ -28,7 +28,12 @@ from services.gateway.validation import ManifestChoice
 from services.kvpolicy.fit import Deployment, ManifestUnfit, check_fits
 from services.kvpolicy.manifest import KVVisibilityPolicyManifest, TensorContract, default_manifests
 from services.kvpolicy.retention_manifests import retention_manifests
-from services.offload.recall import CODES_RECALL_KNOBS, RecallKnobs, with_recall
+from services.offload.recall import (
+    CODES_RECALL_KNOBS,
+    VALUES_RECALL_KNOBS,
+    RecallKnobs,
+    with_recall,
+)
 from services.policy import ManifestConflict, NotFound, PolicyClient, Registration
 from services.policy.manifests import ManifestCache
 from services.rpc.errors import InvalidArgument
@@ -50,17 +55,26 @@ SERVED_RECALL_KNOBS = RecallKnobs(threshold=0.9, page_size=8, max_pages_per_step
 # reported RULER prompts it closed the whole single-needle and multi-key gap at 4K
 # (docs/results/recall-smollm2/report.md).
 CODES_RECALL_POLICY = "snapkv-recall-codes"
+# `snapkv-recall-values`: `snapkv-recall-codes` whose pages also carry their mean value row;
+# each decode step's attention adds the still-omitted pages' code-estimated mass carrying
+# those means (`recoverability.omitted_value_term`). On the 8K RULER tuning prompts at 10% it
+# answered the needle the codes alone miss (docs/results/recall-smollm2/tuning.md); it costs
+# d_h values a page more on the wire and on the decode host, and decode time.
+VALUES_RECALL_POLICY = "snapkv-recall-values"
 
 
 def served_manifests(served: TensorContract) -> dict[str, KVVisibilityPolicyManifest]:
     """The manifests every gateway registers for the served tensor contract: the runtime's
-    `default_manifests`, `snapkv-recall`, `snapkv-recall-codes` and the decode-time retention policies
+    `default_manifests`, `snapkv-recall`, `snapkv-recall-codes`, `snapkv-recall-values` and the
+    decode-time retention policies
     (`retention_manifests`: window, sinks + window at both position contracts, H2O,
     Scissorhands, Keyformer, SnapKV + H2O, 1,024 rows per owner)."""
     manifests = default_manifests(served)
     recall = with_recall(manifests["snapkv"], SERVED_RECALL_KNOBS)
     codes = with_recall(manifests["snapkv"], CODES_RECALL_KNOBS, name=CODES_RECALL_POLICY)
-    return {**manifests, recall.name: recall, codes.name: codes, **retention_manifests(served)}
+    values = with_recall(manifests["snapkv"], VALUES_RECALL_KNOBS, name=VALUES_RECALL_POLICY)
+    return {**manifests, recall.name: recall, codes.name: codes, values.name: values,
+            **retention_manifests(served)}
 
 
 class UnknownPolicy(InvalidArgument):

@@ -5,8 +5,10 @@ stack (`kvrelay up` on its embedded defaults: policy service and embedded Redis,
 worker, one decode worker, gateway) the question `kvrelay demo` asks, a passphrase hidden in a
 few thousand tokens of the Python language reference, for several seeds (each its own
 passphrase and haystack), under each policy the gateway registers by default: `full`,
-`snapkv` (25% of the rows, irrecoverable), `snapkv-recall` (pages ranked by their key bound)
-and `snapkv-recall-codes` (ranked by the rows' 4-bit codes, recalled past a floor). One
+`snapkv` (25% of the rows, irrecoverable), `snapkv-recall` (pages ranked by their key bound),
+`snapkv-recall-codes` (ranked by the rows' 4-bit codes, recalled past a floor) and
+`snapkv-recall-values` (the same, with the omitted pages' estimated mass and mean values added
+to each step's attention). One
 request at a time; the policies' order reverses from one seed to the next, so a host that
 slows down during the run does not favour one of them.
 
@@ -15,7 +17,8 @@ to `snapkv` (the median over the seeds of each question's own ratio: the two ran
 apart at most), rows recalled as a share of the omitted rows, recall bytes, bytes moved to
 the decode worker against the full cache, and the decode host's row-code table. The
 question's seed 7 is the demo's; `snapkv-recall` was tuned on seeds 101-106 and
-`snapkv-recall-codes` on RULER prompts (`services.gateway.policies`): report other seeds.
+`snapkv-recall-codes` and `snapkv-recall-values` on RULER prompts (`services.gateway.policies`):
+report other seeds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from services.launcher.demo import DEMO_CONTEXT_TOKENS, DEMO_DEPTH, DEMO_MAX_TOK
 from services.launcher.stack import Stack, StackConfig
 from services.model.loader import read_checkpoint
 
-RECALL_POLICIES = ("full", "snapkv", "snapkv-recall", "snapkv-recall-codes")
+RECALL_POLICIES = ("full", "snapkv", "snapkv-recall", "snapkv-recall-codes", "snapkv-recall-values")
 REPORT_SEEDS = (7, 201, 202, 203, 204, 205, 206)
 BASELINE = "snapkv"
 

@@ -93,7 +93,9 @@ def test_row_codes_travel_and_rank_through_the_gateway(stack: UpStack, loaded: L
     """A remote-recall manifest with 2-bit row codes: the codes travel with the summaries (the
     ledger counts them), the decode worker recalls with the codes ranking (its full-recall gate
     still reads the bound: every omitted row comes back, the answer is the full cache's), and the
-    served `snapkv-recall-codes` policy is registered by default and decodes without fallbacks."""
+    served `snapkv-recall-codes` and `snapkv-recall-values` policies are registered by default
+    and decode without fallbacks, the second with page value means on the wire and on the
+    decode host."""
     coded = dataclasses.replace(KNOBS, code_bits=2)
     manifest = with_recall(default_manifests(loaded.tensor_contract)["snapkv"], coded,
                            name="snapkv-codes-e2e")
@@ -102,7 +104,7 @@ def test_row_codes_travel_and_rank_through_the_gateway(stack: UpStack, loaded: L
     ids = needle_ids(loaded, 300, 31)
     runs = {}
     with GatewayClient(stack.gateway_address, timeout_s=120) as client:
-        for policy in (manifest.name, plain.name, "snapkv-recall-codes"):
+        for policy in (manifest.name, plain.name, "snapkv-recall-codes", "snapkv-recall-values"):
             runs[policy] = client.generate(generate_request(
                 ids, policy=policy, max_tokens=MAX_TOKENS, detokenize=False, request_id=f"e2e-codes-{policy}"))
     head_dim = loaded.tensor_contract.head_dim
@@ -118,3 +120,9 @@ def test_row_codes_travel_and_rank_through_the_gateway(stack: UpStack, loaded: L
     assert coded_run.summary.ledger.page_summary_bytes == plain_run.summary.ledger.page_summary_bytes + codes_bytes
     served = runs["snapkv-recall-codes"].summary
     assert served.ledger.page_summary_bytes >= served.omitted_rows * head_dim * 2 // 8 > 0
+    values = runs["snapkv-recall-values"].summary
+    assert values.omitted_rows == served.omitted_rows  # the same selection, so the same pages
+    pages = values.ledger.page_summary_bytes - served.ledger.page_summary_bytes  # the means
+    assert pages > 0 and pages % (head_dim * 4) == 0  # d_h float32 values a page
+    grid = values.ledger.code_table_bytes - served.ledger.code_table_bytes
+    assert grid > 0 and grid % (head_dim * 2) == 0  # d_h bfloat16 values a grid page

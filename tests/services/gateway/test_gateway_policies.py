@@ -36,7 +36,7 @@ async def test_defaults_register_once_and_conflicts_name_the_policy(client: Poli
     first = await register_defaults(client, SERVED, timeout_s=5.0)
     assert sorted(r.ref.name for r in first) == sorted(
         [*default_manifests(SERVED), "snapkv-recall", "snapkv-recall-codes",
-         *retention_manifests(SERVED)]
+         "snapkv-recall-values", *retention_manifests(SERVED)]
     )
     assert all(r.created for r in first)
     again = await register_defaults(client, SERVED, timeout_s=5.0)
