@@ -242,6 +242,10 @@ class RecallStrategy:
     # (a stale term moves a tiny model's logits away from the full cache's as often as
     # towards it: tests/services/offload/test_offload_recall.py).
     term_refresh_steps: int = 1
+    # After pages were recalled, between refreshes: True computes the term afresh from the
+    # layer's query (a full scoring of the layer again); False takes the recalled pages out
+    # of the last term (`LayerTerm.without`, their masses as that term's query saw them).
+    term_refresh_on_recall: bool = False
 
     def __post_init__(self) -> None:
         if self.min_estimate is not None and self.ranking is Ranking.BOUND:
@@ -385,7 +389,8 @@ class RecallSession:
             if summaries.page_value_mean is None:
                 raise SummaryInvalid("page_value_mean", "the manifest's omitted_value_term needs "
                                      "summaries with page value means")
-            self.value_term = ValueTermSource(summaries, self._live)
+            self.value_term = ValueTermSource(summaries, self._live,
+                                              refresh_on_recall=strategy.term_refresh_on_recall)
         self._logits: CodeLogits | None = None  # this step's code logits, once computed
 
     @property
@@ -701,12 +706,14 @@ class ValueTermSource:
     plan then reads the code logits it computed instead of scoring again) and every
     `term_refresh_steps` of the strategy; in between each layer reuses its last term, with
     the pages recalled since taken out at once (`LayerTerm.without`: their masses as that
-    query saw them). `live` is the session's tensor of pages still omitted (updated in place
+    query saw them; or the term computed afresh, `RecallStrategy.term_refresh_on_recall`). `live` is the session's tensor of pages still omitted (updated in place
     as pages are recalled)."""
 
-    def __init__(self, summaries: PageSummaries, live: torch.Tensor) -> None:
+    def __init__(self, summaries: PageSummaries, live: torch.Tensor, *,
+                 refresh_on_recall: bool = False) -> None:
         _ = summaries.value_grid  # built at admission, not at the cue step
         self.summaries = summaries
+        self._refresh_on_recall = refresh_on_recall
         self._live = live
         self._readers: torch.Tensor | None = None
         self._scale = 1.0
@@ -737,12 +744,13 @@ class ValueTermSource:
             self._grid = live_grid(self.summaries, self._live)
             self._live_count = live
         term = self._terms[layer]
-        if term is None or self._fresh:
+        recalled = self._term_live[layer] != live
+        if term is None or self._fresh or (recalled and self._refresh_on_recall):
             assert self._readers is not None and self._bias is not None, "bind() first"
             term = layer_value_term(self.summaries, layer, query, self._readers, self._bias,
                                     self._scale)
             self._fresh_layers.add(layer)
-        elif self._term_live[layer] != live:
+        elif recalled:
             assert self._grid is not None
             term = term.without(self.summaries, self._grid)
         self._terms[layer], self._term_live[layer] = term, live

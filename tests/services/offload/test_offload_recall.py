@@ -913,6 +913,30 @@ def test_the_value_term_is_fresh_when_due_and_reused_between(model: CausalLM) ->
     assert step.outcomes["req"].status is RecallStatus.BELOW_THRESHOLD
 
 
+def test_a_term_refreshed_on_recall_reads_the_new_query(model: CausalLM) -> None:
+    compressed = compress(model, VALUES, seed=1)
+    strategy = RecallStrategy(ranking=Ranking.CODES, term_refresh_steps=2,
+                              term_refresh_on_recall=True)
+    session = RecallSession(compressed.manifest, compressed.summaries,
+                            StoreFetcher(compressed.rows), state=compressed.state, strategy=strategy)
+    term = session.value_term
+    assert term is not None
+    cache = view_cache(model, compressed)
+    term.bind(cache.head_to_owner, cache.scale)
+    gen = torch.Generator().manual_seed(6)
+    first, second = torch.randn(2, 2, 4, 8, generator=gen)  # [L, H_q, d_h] each
+    term.begin_step(fresh=True)
+    _ = [term(layer, first[layer]) for layer in range(2)]
+    session._live[:3] = False
+    term.begin_step(fresh=False)
+    got = term(0, second[0])
+    assert got is not None
+    logits = code_logits(compressed.summaries, second, cache.head_to_owner, scale=cache.scale)
+    want = omitted_value_term(compressed.summaries, logits, session._live)
+    torch.testing.assert_close(got[0], want.log_mass[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1], want.value[0], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_value_term_brings_the_decode_closer_to_the_full_cache(model: CausalLM,
                                                                   seed: int) -> None:
