@@ -176,7 +176,8 @@ def render_markdown(config: ServedRecallConfig, answers: Sequence[Answer], comma
         f"{config.max_tokens} output tokens, the policies' order reversed every other seed. "
         "TPOT is the gateway's (summary); its ratio is each question's own against "
         f"`{config.baseline}`, the median over the questions. `snapkv-recall` was tuned on seeds "
-        "101-106 and `snapkv-recall-codes` on RULER tuning prompts, neither on these.",
+        "101-106 and `snapkv-recall-codes` and `snapkv-recall-values` on RULER tuning prompts, "
+        "neither on these.",
         "",
         *table,
         "",
