@@ -457,19 +457,18 @@ def omitted_value_term(
     value"): attention that is spread over thousands of omitted rows is not worth fetching
     row by row, but its sum still moves the output."""
     alive = _check_live(live, summaries.num_pages)
-    mass, value = _segment_term(summaries, logits.logits, slice(None), live_bias(summaries, alive))
-    return ValueTerm(*_by_head(mass, value, logits.readers, summaries.num_layers))
+    page_mass, top = _page_masses(summaries, logits.logits, live_bias(summaries, alive))
+    mass, value = _term_of(summaries.value_grid, page_mass, top)  # [S, G], [S, G, d_h]
+    heads, by_layer = logits.readers.flatten(), (summaries.num_layers, summaries.num_owners)
+    return ValueTerm(_to_heads(mass.unflatten(0, by_layer), heads, dim=1),
+                     _to_heads(value.unflatten(0, by_layer), heads, dim=1))
 
 
 def live_bias(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
     """The codes table's slot bias with the slots of pages not `live` `[P_total]` at -inf
     too: 0 for a row of a live page, else -inf.  # [S, slots] float32"""
-    table = summaries.code_table
-    segments, slots = table.slot_bias.shape
-    grid = torch.zeros(segments * (slots // summaries.page_size), dtype=torch.bool)
-    grid[table.page_slot] = live
-    alive = grid.view(segments, -1).repeat_interleave(summaries.page_size, dim=1)  # [S, slots]
-    return table.slot_bias.masked_fill(~alive, -math.inf)
+    alive = live_grid(summaries, live).repeat_interleave(summaries.page_size, dim=1)
+    return summaries.code_table.slot_bias.masked_fill(~alive, -math.inf)  # alive [S, slots]
 
 
 def layer_value_term(
@@ -524,16 +523,6 @@ def live_grid(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
     return grid.view(segments, -1)
 
 
-def _segment_term(
-    summaries: PageSummaries, logits: torch.Tensor, segments: slice, bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log mass `[s, G]` and value `[s, G, d_h]` of the live pages of the owner segments
-    `segments` from their code logits `[s, G, slots]` and `live_bias` rows `[s, slots]` (see
-    `omitted_value_term`)."""
-    page_mass, top = _page_masses(summaries, logits, bias)
-    return _term_of(summaries.value_grid[segments], page_mass, top)
-
-
 def _page_masses(summaries: PageSummaries, logits: torch.Tensor,
                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every page's mass scaled by e^-top `[s, G, pages]` and top `[s, G, 1]`, each head's
@@ -555,23 +544,11 @@ def _term_of(grid: torch.Tensor, page_mass: torch.Tensor,
     return total.log() + top[..., 0], torch.bmm(weights.to(grid.dtype), grid).float()
 
 
-def _to_heads(part: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """`[s, G, ...]` by owner and reader as `[H_q, ...]` by query head."""
-    flat = part.flatten(0, 1)
-    out = torch.empty_like(flat)
-    out[heads] = flat
-    return out
-
-
-def _by_head(mass: torch.Tensor, value: torch.Tensor, readers: torch.Tensor,
-             layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[S, G]` / `[S, G, d_h]` by owner segment and reader as `[L, H_q]` / `[L, H_q, d_h]`."""
-    heads = readers.flatten()  # (owner, reader) order, as a layer's segments are
-    out_mass = torch.empty(layers, heads.numel())
-    out_value = torch.empty(layers, heads.numel(), value.shape[-1])
-    out_mass[:, heads] = mass.view(layers, -1)
-    out_value[:, heads] = value.view(layers, heads.numel(), -1)
-    return out_mass, out_value
+def _to_heads(part: torch.Tensor, heads: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`part` with its owner and reader dims (`dim`, `dim + 1`) as one query-head dim: entry
+    (o, g) goes to query head `heads[o * G + g]`."""
+    flat = part.flatten(dim, dim + 1)
+    return torch.empty_like(flat).index_copy_(dim, heads, flat)
 
 
 def _readers(owner_of_head: torch.Tensor, owners: int) -> torch.Tensor:

@@ -40,14 +40,13 @@ A step, in order (each numbered step is one public call, so a decode loop other 
    Requests that recalled nothing get the same logits as in the first run.
 6. `end_step(outcome)` counts the step, for every session of the batch.
 
-The omitted-value term (`recoverability.omitted_value_term`, with row codes): at every
-evaluated step, `plan` also estimates what the pages that stay omitted after this step's
-recall would add to attention (`bound.omitted_value_term`: their rows' code-estimated mass
-carrying the pages' mean values) and sets it on the cache (`DecodeCache.set_omitted_term`),
-which merges it into every layer's attention at every step until the next evaluation
-replaces it. A recomputed step runs again with it; so does the first step that sets one, so
-the cue step already reads it. Recalled pages leave it; pages whose recall failed rejoin it
-at the next evaluated step.
+The omitted-value term (`recoverability.omitted_value_term`, with row codes): before the
+step, `prepare_term` hands the cache the session's `ValueTermSource`
+(`DecodeCache.set_omitted_term`), which the cache asks, as each layer attends, for what the
+pages still omitted would add to that layer's attention (`bound.layer_value_term`: their rows'
+code-estimated mass under the layer's own query, carrying the pages' mean values). It is
+computed afresh at evaluated steps, whose `plan` then reads the code logits it computed, and
+reused in between; recalled pages leave it at the next step.
 
 Deferred recalls (`RecallStrategy`, after the session's first `recompute_steps` steps): step
 3 becomes `start(plan, ...)`, which hands the fetch (and the successor's construction) to a
@@ -391,7 +390,6 @@ class RecallSession:
                                      "summaries with page value means")
             self.value_term = ValueTermSource(summaries, self._live,
                                               refresh_on_recall=strategy.term_refresh_on_recall)
-        self._logits: CodeLogits | None = None  # this step's code logits, once computed
 
     @property
     def enabled(self) -> bool:
@@ -549,9 +547,8 @@ class RecallSession:
         cap = policy.max_pages_per_step
         if strategy.deferred_pages is not None and self.defers():
             cap = min(cap, strategy.deferred_pages)
-        self._logits = self._step_logits(query, head_to_owner, scale)
         odds = page_code_log_odds(self.summaries, query, lse, head_to_owner, live=self._live,
-                                  logits=self._logits)
+                                  logits=self._step_logits(query, head_to_owner, scale))
         pages = choose_estimated(odds, self._live, cap, strategy.min_estimate,
                                  self.summaries.page_segment, strategy.successor_pages)
         return RecallChoice(pages=pages, triggered=bool(pages.numel()), full_recall=False,
