@@ -34,6 +34,9 @@ against the resident rows, and `choose_estimated` takes the best pages above a f
 whose queries look nowhere omitted recalls nothing: the estimate, unlike the bound, is close
 to the truth), each with the owner's next page. b-bit codes cost d_h b / 8 bytes a row on the wire
 (4 bits: d_h / 2, what the fp16 min/max summaries of 8-row pages cost, 2 x 2 d_h bytes a page).
+Scoring every omitted row reads the whole codes table each evaluated step; the page sketch
+(each page's mean estimate and per-coordinate variance) scores every page at an eighth of the
+reads, and only its best pages are scored row by row (`sketched_code_log_odds`).
 
 The omitted-value term (summaries with page value means: `recoverability.omitted_value_term`).
 The same estimated logits also say how much attention the pages that stay omitted would take,
@@ -69,6 +72,13 @@ _ROUNDING_UNITS_PER_DIM = 16.0
 _UNIT_ROUNDOFF = 2.0**-24
 _SMALLEST_NORMAL = 2.0**-126
 _UNDERFLOW_TERMS = 2
+
+
+# Standard deviations of a page's row logits above its mean estimate that the page sketch
+# scores it by (`sketch_page_scores`): on the tuning prompts (4K and 8K, 10%) the 1024 pages
+# it scored best held every page the full scoring ranked first, and all of the estimated mass
+# of the pages it chose but for one 4K multi-key step (75%) ("The page sketch", tuning.md).
+SKETCH_WIDTH = 2.5
 
 
 @dataclass(frozen=True)
@@ -396,12 +406,8 @@ def code_logits(
     """s q_h . k^_n for every code slot and reading head (k^_n: the row's key as its code
     places it, `PageSummaries.row_estimates`): one batched product over the whole table
     (heads first: the reductions after it run over contiguous slots)."""
-    owner_of_head = _check_query(summaries, query, head_to_owner)
-    scale = _scale(scale, summaries.head_dim)
+    grouped_q, readers = _grouped_query(summaries, query, head_to_owner, scale)  # [S, G, d_h]
     estimates = summaries.code_table.estimates  # [S, d_h, slots] bfloat16
-    q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [L, H_q, d_h]
-    readers = _readers(owner_of_head, summaries.num_owners)  # [H_owner, G] head ids
-    grouped_q = q[:, readers].reshape(-1, readers.shape[1], q.shape[-1])  # [S, G, d_h]
     return CodeLogits(torch.bmm(grouped_q.to(estimates.dtype), estimates).float(), readers)
 
 
@@ -428,11 +434,9 @@ def page_code_log_odds(
     """
     if logits is None:
         logits = code_logits(summaries, query, head_to_owner, scale=scale)
-    r = _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))  # [L, H_q]
+    grouped_r = _grouped_lse(retained_lse, query, logits.readers, summaries.num_layers)
     alive = _check_live(live, summaries.num_pages)
     table = summaries.code_table
-    readers = logits.readers
-    grouped_r = r[:, readers].reshape(-1, readers.shape[1], 1).float()  # [S, G, 1]
     # Per slot its most attentive reader, at least the largest head's estimate and at most
     # log(G) below a sum over heads, at a third of the work (this runs at every evaluated
     # step over every omitted row); then a log-sum-exp over each page's slots (unused slots
@@ -441,6 +445,126 @@ def page_code_log_odds(
     pages = best.view(-1, summaries.page_size).logsumexp(dim=1)  # [S * slots / page_size]
     odds = pages.index_select(0, table.page_slot).double()  # [P_total]
     return odds.masked_fill_(~alive, -math.inf)
+
+
+def sketch_page_scores(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    retained_lse: torch.Tensor,
+    head_to_owner: Sequence[int],
+    *,
+    live: torch.Tensor | None = None,
+    scale: float | None = None,
+    width: float = SKETCH_WIDTH,
+) -> torch.Tensor:
+    """Per page, a cheap stand-in for `page_code_log_odds` read from the page sketch
+    (`PageSummaries.page_sketch`): max over the reading heads h of
+    s q_h . mu_p + width * sqrt(sum_c (s q_hc)^2 var_pc) - r_h, the page's mean estimated logit
+    raised by `width` standard deviations of its rows' logits around it (coordinates taken as
+    independent). Neither a bound nor the page's log-odds: it picks which pages
+    `candidate_code_log_odds` scores row by row. -inf for pages not `live`.  # [P_total] float32
+
+    Why: reading the whole codes table is what an evaluated step costs (memory-bound: 45 MB a
+    request at 4K and 10%), and the sketch is an eighth of it a coordinate. Its mean alone
+    misses pages one row of which takes the attention (`SKETCH_WIDTH`)."""
+    grouped, readers = _grouped_query(summaries, query, head_to_owner, scale)
+    r = _grouped_lse(retained_lse, query, readers, summaries.num_layers)  # [S, G, 1]
+    return _sketch_scores(summaries, grouped, r, _check_live(live, summaries.num_pages), width)
+
+
+def candidate_code_log_odds(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    retained_lse: torch.Tensor,
+    head_to_owner: Sequence[int],
+    pages: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`page_code_log_odds` of `pages` `[C]` (flat page indices) only, reading only their
+    rows of the codes table: what the full scoring gives those pages, up to the order of a
+    bfloat16 product's sums.  # [C] float64"""
+    index = pages.long()
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= summaries.num_pages):
+        raise BoundInputInvalid("pages", f"entries must be pages in [0, {summaries.num_pages})")
+    grouped, readers = _grouped_query(summaries, query, head_to_owner, scale)
+    r = _grouped_lse(retained_lse, query, readers, summaries.num_layers)  # [S, G, 1]
+    return _candidate_odds(summaries, grouped, r, index)
+
+
+def sketched_code_log_odds(
+    summaries: PageSummaries,
+    query: torch.Tensor,
+    retained_lse: torch.Tensor,
+    head_to_owner: Sequence[int],
+    candidates: int,
+    *,
+    live: torch.Tensor | None = None,
+    scale: float | None = None,
+    width: float = SKETCH_WIDTH,
+) -> torch.Tensor:
+    """`page_code_log_odds` of the `candidates` live pages the sketch scores best
+    (`sketch_page_scores`), -inf for every other page: the codes ranking at a fraction of
+    the reads, exact wherever the pages it would choose are among the candidates.
+    # [P_total] float64"""
+    if candidates < 1:
+        raise BoundInputInvalid("candidates", f"must be positive, got {candidates}")
+    grouped, readers = _grouped_query(summaries, query, head_to_owner, scale)
+    r = _grouped_lse(retained_lse, query, readers, summaries.num_layers)  # [S, G, 1]
+    scores = _sketch_scores(summaries, grouped, r, _check_live(live, summaries.num_pages), width)
+    take = min(candidates, int(torch.isfinite(scores).sum()))
+    odds = torch.full((summaries.num_pages,), -math.inf, dtype=torch.float64)
+    if take == 0:
+        return odds
+    chosen = scores.topk(take).indices
+    return odds.index_copy_(0, chosen, _candidate_odds(summaries, grouped, r, chosen))
+
+
+def _sketch_scores(summaries: PageSummaries, grouped: torch.Tensor, r: torch.Tensor,
+                   alive: torch.Tensor, width: float) -> torch.Tensor:
+    """`sketch_page_scores` from grouped s q `[S, G, d_h]` and r `[S, G, 1]`.  # [P_total]"""
+    sketch = summaries.page_sketch
+    low = grouped.to(sketch.mean.dtype)
+    centre = torch.bmm(low, sketch.mean).float()  # [S, G, pages]
+    spread = torch.bmm(grouped.square().to(low.dtype), sketch.variance).float()
+    best = centre.add_(spread.clamp_(min=0.0).sqrt_().mul_(width)).sub_(r).amax(dim=1)
+    scores = best.flatten().index_select(0, summaries.code_table.page_slot)  # [P_total]
+    return scores.masked_fill_(~alive, -math.inf)
+
+
+def _candidate_odds(summaries: PageSummaries, grouped: torch.Tensor, r: torch.Tensor,
+                    pages: torch.Tensor) -> torch.Tensor:
+    """`candidate_code_log_odds` from grouped s q and r (`_sketch_scores`).  # [C] float64"""
+    table, size = summaries.code_table, summaries.page_size
+    segments, dim, slots = table.estimates.shape
+    width = slots // size  # pages a segment
+    cell = table.page_slot.index_select(0, pages)  # [C] in the [S * pages] grid
+    segment, local = cell // width, cell % width
+    # Page p's coordinate c is the run of `size` slots at row (s d_h + c) width + local of
+    # the table seen as [S * d_h * pages, size]: one row gather (4x a fancy index's speed).
+    runs = ((segment * (dim * width) + local)[:, None] + torch.arange(dim) * width).flatten()
+    rows = table.estimates.view(-1, size).index_select(0, runs).view(-1, dim, size)
+    logits = torch.bmm(grouped[segment].to(rows.dtype), rows).float()  # [C, G, size]
+    bias = table.slot_bias.view(segments, width, size)[segment, local]  # [C, size]
+    best = logits.sub_(r[segment]).amax(dim=1).add_(bias)  # [C, size]
+    return best.logsumexp(dim=1).double()
+
+
+def _grouped_query(summaries: PageSummaries, query: torch.Tensor, head_to_owner: Sequence[int],
+                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """s q grouped by owner segment: `[S, G, d_h]` float32 (segment l * H_owner + o holds
+    the heads reading owner o of layer l, in `readers[o]` order), and readers `[H_owner, G]`."""
+    owner_of_head = _check_query(summaries, query, head_to_owner)
+    q = query.detach().float().cpu() * _scale(scale, summaries.head_dim)  # [L, H_q, d_h]
+    readers = _readers(owner_of_head, summaries.num_owners)
+    return q[:, readers].reshape(-1, readers.shape[1], q.shape[-1]), readers
+
+
+def _grouped_lse(retained_lse: torch.Tensor, query: torch.Tensor, readers: torch.Tensor,
+                 layers: int) -> torch.Tensor:
+    """r grouped like `_grouped_query`.  # [S, G, 1] float32"""
+    r = _check_lse(retained_lse, layers, int(query.shape[1]))  # [L, H_q]
+    return r[:, readers].reshape(-1, readers.shape[1], 1).float()
 
 
 def omitted_value_term(

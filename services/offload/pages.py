@@ -109,13 +109,19 @@ class PageSummaries:
             raise SummaryInvalid("row_codes", "these summaries carry no row codes (code_bits 0)")
         return _code_table(self)
 
+    @cached_property
+    def page_sketch(self) -> PageSketch:
+        """The codes table's page sketch (`PageSketch`), built once per summaries object on
+        first use, for ranking only."""
+        return _page_sketch(self)
+
     @property
     def code_table_bytes(self) -> int:
         """Bytes `code_table` (and `value_grid`, with value means) hold (0 without row
         codes), from the page layout alone, so the ledger can charge them before any table is
         built: a bfloat16 coordinate and a float32 mask per slot, page_size slots a page, and
         d_h bfloat16 values a page with value means, every (layer, owner) as long as the
-        longest."""
+        longest. Not the page sketch (`page_sketch`): no served strategy builds it."""
         if self.row_codes is None:
             return 0
         per_segment = self.page_offsets[:, 1:] - self.page_offsets[:, :-1]  # [L, H_owner]
@@ -216,11 +222,27 @@ class CodeTable:
     slot_bias: torch.Tensor  # [S, slots] float32, 0 for a row, -inf for an unused slot
     page_slot: torch.Tensor  # [P_total] int64, page p's index in the [S * slots / page_size] grid
     row_slot: torch.Tensor  # [N] int64, row n's index in the flat [S * slots] slots
-
     @property
     def nbytes(self) -> int:
         """Host bytes the table holds for the session's life (estimates and slot bias)."""
         return _nbytes(self.estimates) + _nbytes(self.slot_bias)
+
+
+@dataclass(frozen=True)
+class PageSketch:
+    """The page sketch of a codes table: per page (the table's page grid), the mean of its
+    rows' estimates and their variance per coordinate, what `bound.sketch_page_scores` scores
+    every page by at an eighth of a slot's reads, so only the best-sketched pages are scored
+    row by row (`RecallStrategy.sketch_candidates`). 4 d_h bytes a page of the grid (+27% on
+    the table at 4K and 10%); built only by a session whose strategy reads it, never by the
+    served strategies, and so not in `PageSummaries.code_table_bytes`."""
+
+    mean: torch.Tensor  # [S, d_h, slots / page_size] bfloat16, zeros for unused pages
+    variance: torch.Tensor  # [S, d_h, slots / page_size] bfloat16, zeros for unused pages
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.mean) + _nbytes(self.variance)
 
 
 @dataclass(frozen=True)
@@ -607,6 +629,28 @@ def _code_table(summaries: PageSummaries) -> CodeTable:
     bias = torch.full((segments * slots,), -math.inf).index_fill_(0, row_slot, 0.0)
     return CodeTable(estimates.view(segments, slots, dim).mT.contiguous(),
                      bias.view(segments, slots), page_slot, row_slot)
+
+
+def _page_sketch(summaries: PageSummaries) -> PageSketch:
+    table = summaries.code_table
+    segments, dim, slots = table.estimates.shape
+    mean, variance = _page_moments(summaries.row_estimates.float(), summaries.row_page,
+                                   summaries.page_count.long())
+    cells = segments * (slots // summaries.page_size)
+    grid = [torch.zeros(cells, dim, dtype=torch.bfloat16).index_copy_(
+        0, table.page_slot, t.to(torch.bfloat16)).view(segments, -1, dim).mT.contiguous()
+        for t in (mean, variance)]
+    return PageSketch(*grid)
+
+
+def _page_moments(rows: torch.Tensor, page: torch.Tensor,
+                  count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and per-coordinate (population) variance of each page's rows `[N, d_h]` (`page`:
+    each row's page, `count`: rows a page).  # [P, d_h], [P, d_h] float32"""
+    n = count.clamp(min=1).to(rows.dtype)[:, None]
+    mean = torch.zeros(count.numel(), rows.shape[1]).index_add_(0, page, rows) / n
+    spread = (rows - mean.index_select(0, page)).square_()
+    return mean, torch.zeros_like(mean).index_add_(0, page, spread) / n
 
 
 def _expand_runs(first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

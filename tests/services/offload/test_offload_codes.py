@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from services.offload.bound import (
+    Ranking,
+    candidate_code_log_odds,
     choose_estimated,
     code_logits,
     omitted_value_term,
     page_code_log_odds,
+    sketch_page_scores,
+    sketched_code_log_odds,
 )
 from services.offload.errors import BoundInputInvalid, SummaryInvalid
 from services.offload.pages import (
@@ -25,7 +29,12 @@ from services.offload.pages import (
     value_mean_matches,
     with_value_means,
 )
-from services.offload.recall import CODES_STRATEGY, RecallStrategy, worker_strategy
+from services.offload.recall import (
+    CODES_STRATEGY,
+    SKETCH_STRATEGY,
+    RecallStrategy,
+    worker_strategy,
+)
 
 torch.set_num_threads(1)
 
@@ -117,6 +126,91 @@ def test_code_table_places_every_row_in_its_page_slots_and_pads_with_minus_inf()
     assert summarize_pages(keys, selected, 4).code_table_bytes == 0
 
 
+def test_the_page_sketch_is_each_pages_mean_and_variance_of_its_estimates() -> None:
+    keys, selected = _case(7, uneven=True)
+    pages = summarize_pages(keys, selected, 4, code_bits=4)
+    table, sketch = pages.code_table, pages.page_sketch
+    segments, dim, cells = sketch.mean.shape
+    assert (segments, dim) == table.estimates.shape[:2] and cells == table.estimates.shape[2] // 4
+    assert sketch.variance.shape == sketch.mean.shape
+    assert sketch.nbytes == 2 * sketch.mean.numel() * 2
+    assert pages.code_table_bytes == table.nbytes  # no served strategy builds the sketch
+    mean = sketch.mean.mT.reshape(-1, dim).float()  # [S * cells, d_h]
+    variance = sketch.variance.mT.reshape(-1, dim).float()
+    estimates = pages.row_estimates.float()
+    for page in range(pages.num_pages):
+        rows = estimates[pages.row_page == page]
+        cell = int(table.page_slot[page])
+        torch.testing.assert_close(mean[cell], rows.mean(dim=0), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(variance[cell], rows.var(dim=0, unbiased=False), atol=2e-2,
+                                   rtol=1e-2)
+    unused = torch.ones(segments * cells, dtype=torch.bool)
+    unused[table.page_slot] = False
+    assert bool((mean[unused] == 0).all()) and bool((variance[unused] == 0).all())
+
+
+def _scoring_case(seed: int) -> tuple[PageSummaries, torch.Tensor, torch.Tensor, torch.Tensor]:
+    keys, selected = _case(seed, uneven=True)
+    pages = summarize_pages(keys, selected, 4, code_bits=4)
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(3, 4, 16, generator=gen)
+    lse = torch.randn(3, 4, generator=gen).double()
+    live = torch.rand(pages.num_pages, generator=gen) > 0.3
+    return pages, query, lse, live
+
+
+@pytest.mark.parametrize("seed", [8, 9])
+def test_sketch_scores_equal_brute_force_over_each_pages_rows(seed: int) -> None:
+    pages, query, lse, live = _scoring_case(seed)
+    head_to_owner, scale, width = [0, 0, 1, 1], 0.25, 2.5
+    got = sketch_page_scores(pages, query, lse, head_to_owner, live=live, scale=scale,
+                             width=width)
+    estimates = pages.row_estimates.double()
+    segment, _ = pages.rows()
+    for page in range(pages.num_pages):
+        if not live[page]:
+            assert got[page] == -math.inf
+            continue
+        rows = estimates[pages.row_page == page]
+        layer, owner = divmod(int(segment[pages.row_page == page][0]), pages.num_owners)
+        mean, variance = rows.mean(dim=0), rows.var(dim=0, unbiased=False)
+        q = query.double() * scale
+        expected = max(float(q[layer, h] @ mean + width * (q[layer, h] ** 2 @ variance).sqrt()
+                             - lse[layer, h]) for h in (0, 1, 2, 3) if head_to_owner[h] == owner)
+        assert abs(float(got[page]) - expected) < 5e-2  # bfloat16 sketch and products
+
+
+@pytest.mark.parametrize("seed", [10, 11])
+def test_candidates_get_the_full_scorings_log_odds_and_the_rest_minus_inf(seed: int) -> None:
+    pages, query, lse, live = _scoring_case(seed)
+    head_to_owner = [0, 1, 0, 1]
+    full = page_code_log_odds(pages, query, lse, head_to_owner, live=live)
+    chosen = torch.tensor([5, 0, pages.num_pages - 1, 7])
+    torch.testing.assert_close(candidate_code_log_odds(pages, query, lse, head_to_owner, chosen),
+                               page_code_log_odds(pages, query, lse, head_to_owner)[chosen],
+                               atol=1e-5, rtol=0)
+    # As many candidates as live pages: the full scoring.
+    every = sketched_code_log_odds(pages, query, lse, head_to_owner, pages.num_pages, live=live)
+    torch.testing.assert_close(every, full, atol=1e-5, rtol=0)
+    # Fewer: exactly the sketch's best live pages are scored, with the full scoring's values.
+    few = sketched_code_log_odds(pages, query, lse, head_to_owner, 3, live=live)
+    scores = sketch_page_scores(pages, query, lse, head_to_owner, live=live)
+    best = set(scores.topk(3).indices.tolist())
+    scored = set(torch.nonzero(torch.isfinite(few))[:, 0].tolist())
+    assert scored == best and all(bool(live[p]) for p in scored)
+    torch.testing.assert_close(few[sorted(scored)], full[sorted(scored)], atol=1e-5, rtol=0)
+    none = sketched_code_log_odds(pages, query, lse, head_to_owner, 3,
+                                  live=torch.zeros_like(live))
+    assert bool(torch.isinf(none).all())
+    for bad in (torch.tensor([-1]), torch.tensor([pages.num_pages])):
+        with pytest.raises(BoundInputInvalid) as error:
+            candidate_code_log_odds(pages, query, lse, head_to_owner, bad)
+        assert error.value.field == "pages"
+    with pytest.raises(BoundInputInvalid) as error:
+        sketched_code_log_odds(pages, query, lse, head_to_owner, 0)
+    assert error.value.field == "candidates"
+
+
 def test_choose_estimated_ranks_floors_caps_and_adds_successors() -> None:
     odds = torch.tensor([0.5, -3.0, 2.0, -1.0, 1.0, -9.0], dtype=torch.float64)
     segment = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -199,6 +293,15 @@ def test_the_codes_strategy_needs_codes_and_the_worker_picks_it_only_with_them()
     with pytest.raises(BoundInputInvalid) as wrong:
         RecallStrategy(successor_pages=1)
     assert wrong.value.field == "successor_pages"
+    assert CODES_STRATEGY.sketch_candidates is None
+    assert replace(CODES_STRATEGY, sketch_candidates=SKETCH_STRATEGY.sketch_candidates) == SKETCH_STRATEGY
+    for bad, field in ((dict(sketch_candidates=4), "sketch_candidates"),
+                       (dict(ranking=Ranking.CODES, sketch_candidates=0), "sketch_candidates"),
+                       (dict(ranking=Ranking.CODES, sketch_width=-1.0), "sketch_width"),
+                       (dict(ranking=Ranking.CODES, sketch_width=math.nan), "sketch_width")):
+        with pytest.raises(BoundInputInvalid) as wrong:
+            RecallStrategy(**bad)  # type: ignore[arg-type]
+        assert wrong.value.field == field
 
 
 def _with_values(seed: int, *, uneven: bool, bits: int = 4) -> tuple[PageSummaries, torch.Tensor]:
