@@ -384,10 +384,29 @@ class DecodeCache(SlottedCache):
         keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     ) -> None:
         """Add rows `[n, d_h]` at original `positions` `[n]` to one head (e.g. recalled rows)."""
-        slot = self._slot(request_id)
         counts = torch.zeros(self._lengths.shape[0], self.num_owners, dtype=torch.long)
         counts[layer, head] = keys.shape[0]
-        self._write(slot, counts, torch.zeros_like(counts), keys, values, positions)
+        self.append_owner_rows(request_id, counts, keys, values, positions)
+
+    def append_owner_rows(
+        self, request_id: str, counts: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    ) -> None:
+        """Add `counts[l, h]` rows `[n, d_h]` at original `positions` `[n]` to every (layer,
+        owner) in one write, the rows given owner after owner in (layer, owner) order (a
+        recall's pages of many owners: one page allocation and one copy, not one an owner)."""
+        slot = self._slot(request_id)
+        shape = (self._lengths.shape[0], self.num_owners)
+        total = int(counts.sum()) if tuple(counts.shape) == shape else -1
+        if bool((counts < 0).any()) or total != keys.shape[0]:
+            raise InvalidModelInput(
+                "counts", f"need non-negative [L, H_owner] = {list(shape)} counts summing to the "
+                f"{keys.shape[0]} rows given")
+        if values.shape != keys.shape or tuple(positions.shape) != (total,):
+            raise InvalidModelInput("values", "keys, values and positions disagree in rows")
+        flat = counts.long().reshape(-1)
+        starts = (torch.cumsum(flat, 0) - flat).view(shape)  # each owner's first given row
+        self._write(slot, counts.long(), starts, keys, values, positions)
 
     def drop_rows(self, request_id: str, layer: int, head: int, drop: torch.Tensor) -> int:
         """Evict rows from one owner (decode-time retention, a recall swap): `drop` `[n]` bool

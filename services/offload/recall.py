@@ -68,6 +68,7 @@ other, each with its own deadline.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +89,7 @@ from services.model.kvcache import DecodeCache, StepCapture
 from services.model.model import CausalLM
 from services.model.runtime import decode_step
 from services.offload.bound import (
+    SKETCH_WIDTH,
     CodeLogits,
     LayerTerm,
     Ranking,
@@ -96,12 +98,12 @@ from services.offload.bound import (
     bound_omitted_mass,
     choose_estimated,
     choose_pages,
-    code_logits,
     layer_value_term,
     live_bias,
     live_grid,
     owner_readers,
     page_code_log_odds,
+    sketched_code_log_odds,
 )
 from services.offload.errors import (
     BoundInputInvalid,
@@ -245,6 +247,12 @@ class RecallStrategy:
     # layer's query (a full scoring of the layer again); False takes the recalled pages out
     # of the last term (`LayerTerm.without`, their masses as that term's query saw them).
     term_refresh_on_recall: bool = False
+    # Codes ranking: score only the `sketch_candidates` pages the page sketch ranks best
+    # (`bound.sketched_code_log_odds`, mean estimate + `sketch_width` standard deviations)
+    # row by row, instead of every omitted row; None: every row. Steps whose code logits the
+    # omitted-value term already computed read those instead.
+    sketch_candidates: int | None = None
+    sketch_width: float = SKETCH_WIDTH
 
     def __post_init__(self) -> None:
         if self.min_estimate is not None and self.ranking is Ranking.BOUND:
@@ -261,6 +269,16 @@ class RecallStrategy:
             raise BoundInputInvalid(
                 "term_refresh_steps", f"must be positive, got {self.term_refresh_steps}"
             )
+        if self.sketch_candidates is not None and self.ranking is not Ranking.CODES:
+            raise BoundInputInvalid("sketch_candidates", "only the codes ranking reads it")
+        if self.sketch_candidates is not None and self.sketch_candidates < 1:
+            raise BoundInputInvalid(
+                "sketch_candidates", f"must be positive or None, got {self.sketch_candidates}"
+            )
+        if not (math.isfinite(self.sketch_width) and self.sketch_width >= 0):
+            raise BoundInputInvalid(
+                "sketch_width", f"must be finite and >= 0, got {self.sketch_width}"
+            )
         if self.deferred_pages is not None and self.deferred_pages < 1:
             raise BoundInputInvalid(
                 "deferred_pages", f"must be positive or None, got {self.deferred_pages}"
@@ -271,6 +289,12 @@ class RecallStrategy:
 
 
 RECOMPUTE_ALWAYS = RecallStrategy()
+# Pages `SKETCH_STRATEGY` scores row by row at an evaluated step, those the page sketch scores
+# best (`bound.sketched_code_log_odds`). Chosen on the tuning prompts at 4K and 8K, 10%: the
+# 1024 best held every page the full scoring ranked first, 512 missed 8K's first page at
+# three standard deviations; a step then reads 25% of the codes table and costs 3.9 ms against
+# 9.6 ms at 4K (tuning.md, "The page sketch").
+SKETCH_CANDIDATES = 1024
 # The first step (the one that reads the cue) recomputes, every later recall is fetched in
 # the background and applied a step later.
 DEFERRED_AFTER_FIRST = RecallStrategy(recompute_steps=1)
@@ -280,6 +304,12 @@ DEFERRED_AFTER_FIRST = RecallStrategy(recompute_steps=1)
 # (docs/results/recall-smollm2/tuning.md, "Row codes").
 CODES_STRATEGY = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_estimate=-2.0,
                                 successor_pages=1)
+# The same, scoring row by row only the 1024 pages the page sketch scores best
+# (`SKETCH_CANDIDATES`): on the 4K tuning prompts the same answers and recalls at 1.39-1.50x
+# the irrecoverable TPOT at batch 8 against 1.56-1.71x; on the 4K report prompts one
+# multi-key prompt fewer (0 of 4 where every row scored answers the full cache's 1), so the
+# served strategies score every row (docs/results/recall-smollm2/report.md, "The page sketch").
+SKETCH_STRATEGY = replace(CODES_STRATEGY, sketch_candidates=SKETCH_CANDIDATES)
 # With page value means too (`omitted_value_term`): the same, and the term computed afresh at
 # the evaluated steps (every second one under `VALUES_RECALL_KNOBS`), whose scoring it shares,
 # and reused in between. On the 8K tuning prompts computing it at every step answered the same
@@ -381,6 +411,8 @@ class RecallSession:
                                     "(recoverability.key_code_bits)")
         if strategy.ranking is Ranking.CODES and summaries is not None:
             _ = summaries.code_table  # built at admission, not at the cue step
+            if strategy.sketch_candidates is not None:
+                _ = summaries.page_sketch
         # The omitted-value term (`recoverability.omitted_value_term`): the cache asks it
         # for every layer of every step (`attach_term`).
         self.value_term: ValueTermSource | None = None
@@ -547,8 +579,14 @@ class RecallSession:
         cap = policy.max_pages_per_step
         if strategy.deferred_pages is not None and self.defers():
             cap = min(cap, strategy.deferred_pages)
-        odds = page_code_log_odds(self.summaries, query, lse, head_to_owner, live=self._live,
-                                  logits=self._step_logits(query, head_to_owner, scale))
+        logits = self._term_logits()
+        if logits is None and strategy.sketch_candidates is not None:
+            odds = sketched_code_log_odds(self.summaries, query, lse, head_to_owner,
+                                          strategy.sketch_candidates, live=self._live,
+                                          scale=scale, width=strategy.sketch_width)
+        else:
+            odds = page_code_log_odds(self.summaries, query, lse, head_to_owner,
+                                      live=self._live, scale=scale, logits=logits)
         pages = choose_estimated(odds, self._live, cap, strategy.min_estimate,
                                  self.summaries.page_segment, strategy.successor_pages)
         return RecallChoice(pages=pages, triggered=bool(pages.numel()), full_recall=False,
@@ -586,15 +624,11 @@ class RecallSession:
             cache.set_omitted_term(self.request_id, term)
         term.begin_step(fresh=fresh or self.steps % self.strategy.term_refresh_steps == 0)
 
-    def _step_logits(self, query: torch.Tensor, head_to_owner: Sequence[int],
-                     scale: float) -> CodeLogits:
-        """This step's code logits: those the value term computed as the step's layers
-        attended (the same queries), else computed now."""
+    def _term_logits(self) -> CodeLogits | None:
+        """This step's code logits, if the value term computed them as the step's layers
+        attended (from the same queries)."""
         term = self.value_term
-        if term is not None and (logits := term.step_logits()) is not None:
-            return logits
-        assert self.summaries is not None
-        return code_logits(self.summaries, query, head_to_owner, scale=scale)
+        return None if term is None else term.step_logits()
 
     def recall(self, plan: RecallPlan, cache: DecodeCache) -> RecallResult:
         """Steps 3 and 4: fetch the planned pages, publish the successor through
@@ -832,20 +866,19 @@ def _combine(collected: RecallOutcome | None, planned: RecallOutcome) -> RecallO
 
 
 def merge_into_cache(cache: DecodeCache, request_id: str, pages: Sequence[RecalledPage]) -> None:
-    """Append recalled rows to their (layer, owner) at their original positions, one write
-    per owner."""
-    by_owner: dict[tuple[int, int], list[RecalledPage]] = {}
-    for page in pages:
-        by_owner.setdefault((page.ref.layer, page.ref.owner), []).append(page)
-    for (layer, owner), group in sorted(by_owner.items()):
-        cache.append_rows(
-            request_id,
-            layer,
-            owner,
-            torch.cat([p.k for p in group]),  # [n, d_h]
-            torch.cat([p.v for p in group]),  # [n, d_h]
-            torch.cat([p.positions for p in group]),  # [n]
-        )
+    """Append recalled rows to their (layer, owner) at their original positions: one write
+    for every owner (an owner's pages in the order given)."""
+    ordered = sorted(pages, key=lambda p: (p.ref.layer, p.ref.owner))  # stable
+    counts = torch.zeros(cache.config.num_layers, cache.num_owners, dtype=torch.long)
+    for page in ordered:
+        counts[page.ref.layer, page.ref.owner] += int(page.positions.shape[0])
+    cache.append_owner_rows(
+        request_id,
+        counts,
+        torch.cat([p.k for p in ordered]),  # [n, d_h]
+        torch.cat([p.v for p in ordered]),  # [n, d_h]
+        torch.cat([p.positions for p in ordered]),  # [n]
+    )
 
 
 @dataclass(frozen=True)

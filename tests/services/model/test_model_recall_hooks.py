@@ -118,6 +118,39 @@ def test_undo_step_refuses_once_rows_were_written_or_requests_changed() -> None:
         cache.undo_step()
 
 
+def test_rows_of_many_owners_in_one_write_equal_one_write_an_owner() -> None:
+    """`append_owner_rows` (a recall's pages of several owners at once) leaves every owner
+    holding what `append_rows` owner by owner leaves, and decodes the same step; counts that
+    do not match the rows are refused naming the field, leaving the cache as it was."""
+    model = tiny_llama()
+    one, many = ragged_cache(model, expand=False), ragged_cache(model, expand=False)
+    generator = torch.Generator().manual_seed(4)
+    counts = torch.tensor([[2, 0], [1, 3]])
+    keys, values = torch.randn(6, 8, generator=generator), torch.randn(6, 8, generator=generator)
+    positions = torch.tensor([1, 3, 5, 2, 4, 6], dtype=torch.int32)
+    start = 0
+    for (layer, owner), n in zip([(0, 0), (0, 1), (1, 0), (1, 1)], counts.flatten().tolist(),
+                                 strict=True):
+        if n:
+            one.append_rows("req", layer, owner, keys[start:start + n], values[start:start + n],
+                            positions[start:start + n])
+        start += n
+    many.append_owner_rows("req", counts, keys, values, positions)
+    for layer in range(2):
+        for owner in range(2):
+            for a, b in zip(one.rows("req", layer, owner), many.rows("req", layer, owner),
+                            strict=True):
+                assert torch.equal(a, b)
+    assert torch.equal(decode_step(model, one, [5]), decode_step(model, many, [5]))
+    held = many.lengths("req").clone()
+    for bad in (torch.tensor([[2, 0], [1, 2]]), torch.tensor([[2, 0, 1, 3]]),
+                torch.tensor([[7, -1], [0, 0]])):
+        with pytest.raises(InvalidModelInput) as error:
+            many.append_owner_rows("req", bad, keys, values, positions)
+        assert error.value.field == "counts"
+    assert torch.equal(many.lengths("req"), held)
+
+
 def _prompt(model: CausalLM, expand: bool) -> tuple[torch.Tensor, torch.Tensor, list, tuple | None]:
     """`ragged_cache`'s prompt: keys, values `[L, H_kv, T, d_h]`, selection, owner map."""
     config = model.config

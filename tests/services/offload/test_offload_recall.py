@@ -346,17 +346,19 @@ def test_partial_recall_steps_equal_dense_masked_attention_over_the_new_visible_
     assert session.recalled_rows == sum(o.rows for o in outcomes)
 
 
+@pytest.mark.parametrize("candidates", [None, 3])
 def test_codes_ranked_recalls_equal_dense_masked_attention_and_keep_the_page_cap(
-    model: CausalLM,
+    model: CausalLM, candidates: int | None
 ) -> None:
     """The codes ranking (pages and their successors) recalls only rows that then decode
     exactly as dense masked attention over the new visible set, at most the cap a step, and
-    nothing below its floor."""
+    nothing below its floor; scoring only the page sketch's best `candidates` pages too."""
     knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=4, cadence_steps=1,
                         code_bits=2)
     compressed = compress(model, knobs, seed=2)
     assert compressed.summaries.row_codes is not None
-    strategy = RecallStrategy(ranking=Ranking.CODES, successor_pages=1)
+    strategy = RecallStrategy(ranking=Ranking.CODES, successor_pages=1,
+                              sketch_candidates=candidates)
     session = RecallSession(compressed.manifest, compressed.summaries, StoreFetcher(compressed.rows),
                             state=compressed.state, strategy=strategy)
     # 2-row cache pages: a recall opens new pages in the layers it touches and only in those
@@ -373,11 +375,32 @@ def test_codes_ranked_recalls_equal_dense_masked_attention_and_keep_the_page_cap
         torch.testing.assert_close(logits, reference.step(token), atol=ATOL, rtol=0)
         token = int(logits.argmax())
     # A floor no page's estimate reaches: evaluated, nothing fetched.
-    high = RecallStrategy(ranking=Ranking.CODES, min_estimate=50.0)
+    high = RecallStrategy(ranking=Ranking.CODES, min_estimate=50.0, sketch_candidates=candidates)
     quiet = RecallSession(compressed.manifest, compressed.summaries, StoreFetcher(compressed.rows),
                           state=compressed.state, strategy=high)
     _, none = greedy_with_recall(model, view_cache(model, compressed), quiet, compressed.first_token)
     assert all(o.status is RecallStatus.BELOW_THRESHOLD for o in none)
+
+
+def test_a_sketch_holding_every_page_recalls_what_the_full_scoring_recalls(
+    model: CausalLM,
+) -> None:
+    """As many sketch candidates as pages: the same pages step by step as every row scored
+    (the candidates' log-odds are the full scoring's)."""
+    knobs = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=4, cadence_steps=1,
+                        code_bits=4)
+    compressed = compress(model, knobs, seed=4)
+    pages = []
+    for candidates in (None, compressed.summaries.num_pages):
+        strategy = RecallStrategy(ranking=Ranking.CODES, successor_pages=1,
+                                  sketch_candidates=candidates)
+        session = RecallSession(compressed.manifest, compressed.summaries,
+                                StoreFetcher(compressed.rows), state=compressed.state,
+                                strategy=strategy)
+        _, outcomes = greedy_with_recall(model, view_cache(model, compressed), session,
+                                         compressed.first_token)
+        pages.append([o.pages for o in outcomes])
+    assert pages[0] == pages[1] and any(pages[0])
 
 
 def test_cadence_evaluates_every_nth_step_and_respects_the_page_limit(model: CausalLM) -> None:
