@@ -68,11 +68,11 @@ def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress:
 @eval_app.command("recall")
 def eval_recall(
     checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
-    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts) or shared-cpu-8k (8K, single needle x 2 prompts, batch 2)."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts), shared-cpu-8k (8K, single needle x 2 prompts, batch 2) or scoring (4K, 2 tasks x 4 prompts, the codes ranking with and without the page sketch)."),
     prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
     out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
     threads: int = typer.Option(1, help="torch CPU threads."),
-    tune: bool = typer.Option(False, "--tune", help="Sweep the recall knobs on tuning seeds instead of evaluating."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep the recall knobs on tuning seeds instead of evaluating; --suite ruler: run the preset on the tuning prompts (default --out: docs/results/recall-smollm2/tune)."),
     suite: str = typer.Option("needle", help="needle (the demo checkpoint's needle language) or ruler (RULER-style tasks on a real model, question-agnostic placement, kvpress beside; checkpoint " + DEFAULT_MODEL_HELP + ")."),
     lengths: str | None = typer.Option(None, help="ruler: comma-separated context lengths (default: the preset's, 4096)."),
     kvpress: bool = typer.Option(True, "--kvpress/--no-kvpress", help="ruler: also run kvpress presses on the same prompts."),
@@ -86,7 +86,7 @@ def eval_recall(
     if suite not in ("needle", "ruler"):
         raise typer.BadParameter("must be needle or ruler", param_hint="--suite")
     if suite == "ruler":
-        _eval_recall_ruler(served_checkpoint(checkpoint), preset, prompts, lengths, out, threads, kvpress)
+        _eval_recall_ruler(served_checkpoint(checkpoint), preset, prompts, lengths, out, threads, kvpress, tune)
         return
     if preset not in PRESETS:
         raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
@@ -137,12 +137,14 @@ def eval_retention(
 
 
 def _eval_recall_ruler(checkpoint: Path, preset: str, prompts: int | None, lengths: str | None, out: Path,
-                       threads: int, kvpress: bool) -> None:
-    """`kvrelay eval recall --suite ruler` (default --out: docs/results/recall-smollm2)."""
+                       threads: int, kvpress: bool, tune: bool = False) -> None:
+    """`kvrelay eval recall --suite ruler` (default --out: docs/results/recall-smollm2, with
+    --tune its tune/ folder: the preset on the tuning prompts, never the reported ones)."""
     from dataclasses import replace
 
     from services.evaluation.needs import MissingDependency
     from services.evaluation.recall_ruler import PRESETS, run
+    from services.evaluation.ruler_suite import TUNE_SEED
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"must be one of {', '.join(PRESETS)}", param_hint="--preset")
@@ -151,7 +153,10 @@ def _eval_recall_ruler(checkpoint: Path, preset: str, prompts: int | None, lengt
         config = replace(config, prompts=prompts)
     if lengths is not None:
         config = replace(config, lengths=tuple(int(n) for n in lengths.split(",")))
-    target = Path("docs/results/recall-smollm2") if out == Path("recall-eval") else out
+    if tune:
+        config = replace(config, seed=TUNE_SEED)
+    report = Path("docs/results/recall-smollm2") / ("tune" if tune else "")
+    target = report if out == Path("recall-eval") else out
     try:
         run(checkpoint, config, target, threads, kvpress)
     except MissingDependency as exc:

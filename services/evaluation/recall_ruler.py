@@ -24,8 +24,8 @@ carries the first recall, is reported apart. Timing is wall time on a shared CPU
 columns of one run, never across runs.
 
 Seeds: reported prompts from `ruler_suite.REPORT_SEED`; the recall knobs and strategy were
-chosen on prompts from `ruler_suite.TUNE_SEED` (`--tune` prints that sweep); the two
-ranges never meet.
+chosen on prompts from `ruler_suite.TUNE_SEED` (`--tune` runs a preset on those instead); the
+two ranges never meet.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from services.offload.recall import (
     CODES_STRATEGY,
     DEFAULT_RECALL_KNOBS,
     DEFERRED_AFTER_FIRST,
+    SKETCH_STRATEGY,
     VALUES_RECALL_KNOBS,
     VALUES_STRATEGY,
     RecallKnobs,
@@ -118,6 +119,10 @@ DEFERRED_K3 = RecallVariant("deferred-k3", DEFAULT_RECALL_KNOBS, RecallStrategy(
 # the cue step recomputed and later recalls deferred (what the decode worker runs for such a
 # manifest, `worker_strategy`). Chosen on prompts from `TUNE_SEED` (tuning.md, "Row codes").
 CODES = RecallVariant("codes", CODES_RECALL_KNOBS, CODES_STRATEGY)
+# The same, scoring row by row only the pages the page sketch scores best at each evaluated
+# step (`SKETCH_STRATEGY`, not served): chosen on prompts from `TUNE_SEED` (tuning.md, "The
+# page sketch").
+CODES_SKETCH = RecallVariant("codes-sketch", CODES_RECALL_KNOBS, SKETCH_STRATEGY)
 # The same, with the omitted-value term: each step's attention also takes the still-omitted
 # pages' code-estimated mass carrying their mean values, computed afresh at the evaluated
 # steps and reused in between (`VALUES_STRATEGY`, what the decode worker runs for such a
@@ -169,12 +174,17 @@ PRESETS: dict[str, RecallRulerConfig] = {
     # What the shared 2-core machine could afford for the issue's report: 4K, the three
     # tasks, four prompts per cell, a batch of 8 filled with repeats, kvpress on one prompt per
     # cell, the worker's strategy without codes, with them, and with the omitted-value term.
-    "shared-cpu": RecallRulerConfig(prompts=4, variants=(DEFERRED, CODES, VALUES),
+    "shared-cpu": RecallRulerConfig(prompts=4, variants=(DEFERRED, CODES, CODES_SKETCH, VALUES),
                                     kvpress_prompts=1),
     # Its 8K part: single needle, two prompts per cell decoded as one batch of 2, no kvpress
     # (a transformers prefill at 8K per press and budget is past what the machine affords).
     "shared-cpu-8k": RecallRulerConfig(lengths=(8192,), prompts=2, tasks=TASKS[:1],
-                                       variants=(DEFERRED, CODES, VALUES), presses=(), batch=2),
+                                       variants=(DEFERRED, CODES, CODES_SKETCH, VALUES),
+                                       presses=(), batch=2),
+    # The codes ranking with and without the page sketch only (single needle and multi-key
+    # at 4K, no kvpress): how the sketch was checked on the tuning prompts (`--tune`).
+    "scoring": RecallRulerConfig(prompts=4, tasks=TASKS[:2], variants=(CODES, CODES_SKETCH),
+                                 presses=()),
 }
 
 
@@ -638,6 +648,14 @@ def render(
     return _report(checkpoint, config, summarize(rows, config.batch), seconds, kvpress)
 
 
+def _seeds(seed: int) -> str:
+    if seed == TUNE_SEED:
+        return (f"Tuning prompts (seed {TUNE_SEED}, `--tune`): the prompts knobs are chosen "
+                f"on, never the reported ones (seed {REPORT_SEED}).")
+    return (f"Prompts from seed {seed} (reported); knobs chosen on prompts from seed "
+            f"{TUNE_SEED} (disjoint).")
+
+
 def _kvpress(loaded: LoadedModel, checkpoint: Path) -> KvpressRunner:
     from services.evaluation.ruler_kvpress import KvpressRunner
 
@@ -658,9 +676,8 @@ def _report(
         f"placement `before_filler` ({config.filler_tokens} filler tokens after the question: "
         f"SnapKV's {SHAPE.observation_window}-token window never sees it), lengths "
         f"{', '.join(map(str, config.lengths))}, budgets "
-        f"{', '.join(f'{b:.0%}' for b in config.budgets)} of the context rows. Prompts from "
-        f"seed {config.seed} (reported); knobs chosen on prompts from seed {TUNE_SEED} "
-        f"(disjoint). Decode batch {config.batch} (the cell's prompts together, "
+        f"{', '.join(f'{b:.0%}' for b in config.budgets)} of the context rows. "
+        f"{_seeds(config.seed)} Decode batch {config.batch} (the cell's prompts together, "
         f"repeated to fill it when fewer; repeats are timed, not reported) and the "
         f"first prompt alone (batch 1); {torch.get_num_threads()} torch thread(s) on a shared "
         f"CPU, {seconds:.0f} s wall. kvpress: "

@@ -9,8 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from kvrelay.cli import app
+from services.evaluation import recall_ruler
 from services.evaluation.recall_ruler import (
+    CODES,
+    CODES_SKETCH,
     PRESETS,
     TODAY,
     RecallVariant,
@@ -21,6 +26,7 @@ from services.evaluation.recall_ruler import (
     run,
     summarize,
 )
+from services.evaluation.ruler_suite import REPORT_SEED, TUNE_SEED
 from services.model.default import default_checkpoint
 from services.offload.recall import RecallKnobs, RecallStrategy
 
@@ -72,6 +78,27 @@ def test_rows_round_trip_through_the_results_file(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
     assert load_rows(path) == rows
+
+
+def test_tune_runs_the_preset_on_the_tuning_prompts_only(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--tune` with `--suite ruler`: the preset's cells on prompts from TUNE_SEED (never the
+    reported seed), and the report says which prompts it ran."""
+    seen = []
+    monkeypatch.setattr(recall_ruler, "run", lambda _c, config, out, *_a: seen.append((config, out)))
+    for extra, seed in (([], REPORT_SEED), (["--tune"], TUNE_SEED)):
+        result = CliRunner().invoke(app, ["eval", "recall", "--suite", "ruler", "--preset", "scoring",
+                                          "--no-kvpress", "--out", str(tmp_path), *extra])
+        assert result.exit_code == 0, result.output
+        config, out = seen.pop()
+        assert config.seed == seed and out == tmp_path
+        assert config.variants == (CODES, CODES_SKETCH) == PRESETS["scoring"].variants
+        assert config.specs(config.tasks[0], 4096)[0].seed != \
+            replace(config, seed=REPORT_SEED if seed == TUNE_SEED else TUNE_SEED).specs(
+                config.tasks[0], 4096)[0].seed
+    assert CODES_SKETCH.strategy.sketch_candidates and CODES.strategy.sketch_candidates is None
+    assert "Tuning prompts" in recall_ruler._seeds(TUNE_SEED)
+    assert "(reported)" in recall_ruler._seeds(REPORT_SEED)
 
 
 @pytest.mark.slow
