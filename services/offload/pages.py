@@ -138,12 +138,7 @@ class PageSummaries:
         means = self.page_value_mean
         if means is None:
             raise SummaryInvalid("page_value_mean", "these summaries carry no page value means")
-        table = self.code_table
-        segments = self.num_layers * self.num_owners
-        longest = int(table.slot_bias.shape[1]) // self.page_size
-        grid = torch.zeros(segments * longest, self.head_dim, dtype=torch.bfloat16)
-        grid.index_copy_(0, table.page_slot, means.to(torch.bfloat16))
-        return grid.view(segments, longest, self.head_dim)
+        return _page_grid(self, means)
 
     @property
     def row_estimates(self) -> torch.Tensor:
@@ -632,15 +627,20 @@ def _code_table(summaries: PageSummaries) -> CodeTable:
 
 
 def _page_sketch(summaries: PageSummaries) -> PageSketch:
-    table = summaries.code_table
-    segments, dim, slots = table.estimates.shape
     mean, variance = _page_moments(summaries.row_estimates.float(), summaries.row_page,
                                    summaries.page_count.long())
-    cells = segments * (slots // summaries.page_size)
-    grid = [torch.zeros(cells, dim, dtype=torch.bfloat16).index_copy_(
-        0, table.page_slot, t.to(torch.bfloat16)).view(segments, -1, dim).mT.contiguous()
-        for t in (mean, variance)]
-    return PageSketch(*grid)
+    return PageSketch(*(_page_grid(summaries, t).mT.contiguous() for t in (mean, variance)))
+
+
+def _page_grid(summaries: PageSummaries, per_page: torch.Tensor) -> torch.Tensor:
+    """One row a page `[P, d_h]` laid out like `code_table`'s pages: owner segment s's pages
+    in order, every segment padded to the longest (zeros).  # [S, longest, d_h] bfloat16"""
+    table = summaries.code_table
+    segments = summaries.num_layers * summaries.num_owners
+    longest = int(table.slot_bias.shape[1]) // summaries.page_size
+    grid = torch.zeros(segments * longest, summaries.head_dim, dtype=torch.bfloat16)
+    grid.index_copy_(0, table.page_slot, per_page.to(torch.bfloat16))
+    return grid.view(segments, longest, summaries.head_dim)
 
 
 def _page_moments(rows: torch.Tensor, page: torch.Tensor,
