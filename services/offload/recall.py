@@ -290,10 +290,13 @@ class RecallStrategy:
 
 RECOMPUTE_ALWAYS = RecallStrategy()
 # Pages `SKETCH_STRATEGY` scores row by row at an evaluated step, those the page sketch scores
-# best (`bound.sketched_code_log_odds`). Chosen on the tuning prompts at 4K and 8K, 10%: the
-# 1024 best held every page the full scoring ranked first, 512 missed 8K's first page at
-# three standard deviations; a step then reads 25% of the codes table and costs 3.9 ms against
-# 9.6 ms at 4K (tuning.md, "The page sketch").
+# best (`bound.sketched_code_log_odds`). Chosen on the single-needle and multi-key tuning
+# prompts at 4K and 8K, 10%: the 1024 best held every page the full scoring ranked first, 512
+# missed 8K's first page at three standard deviations; a step then reads 25% of the codes table
+# and costs 3.9 ms against 9.6 ms at 4K (tuning.md, "The page sketch"). On the multi-value
+# (prose) tuning prompts 1024 loses picks at 10 of 51 steps, the first-ranked page once; keeping
+# every pick takes 8192, and at 4096 a sketched step already costs what scoring every row does
+# (tuning.md, "The page sketch on prose").
 SKETCH_CANDIDATES = 1024
 # The first step (the one that reads the cue) recomputes, every later recall is fetched in
 # the background and applied a step later.
@@ -308,7 +311,8 @@ CODES_STRATEGY = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_es
 # (`SKETCH_CANDIDATES`): on the 4K tuning prompts the same answers and recalls at 1.39-1.50x
 # the irrecoverable TPOT at batch 8 against 1.56-1.71x; on the 4K report prompts one
 # multi-key prompt fewer (0 of 4 where every row scored answers the full cache's 1), so the
-# served strategies score every row (docs/results/recall-smollm2/report.md, "The page sketch").
+# served strategies score every row (docs/results/recall-smollm2/report.md, "The page sketch";
+# on prose it misses more, tuning.md, "The page sketch on prose").
 SKETCH_STRATEGY = replace(CODES_STRATEGY, sketch_candidates=SKETCH_CANDIDATES)
 # With page value means too (`omitted_value_term`): the same, and the term computed afresh at
 # the evaluated steps (every second one under `VALUES_RECALL_KNOBS`), whose scoring it shares,
