@@ -78,9 +78,7 @@ _UNDERFLOW_TERMS = 2
 # scores it by (`sketch_page_scores`): on the tuning prompts (4K and 8K, 10%) the 1024 pages
 # it scored best held every page the full scoring ranked first, and all of the estimated mass
 # of the pages it chose but for one 4K multi-key step (75%) ("The page sketch", tuning.md).
-# Not on prose: on the multi-value tuning prompts one step's picks kept none of their mass at
-# 1024, and 3.5 or 5 sd, or a per-page ball, rank the outlier pages deeper still ("The page
-# sketch on prose").
+# Not on prose, and no wider width or per-page ball does better (`recall.SKETCH_CANDIDATES`).
 SKETCH_WIDTH = 2.5
 
 

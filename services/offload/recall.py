@@ -312,7 +312,7 @@ CODES_STRATEGY = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_es
 # the irrecoverable TPOT at batch 8 against 1.56-1.71x; on the 4K report prompts one
 # multi-key prompt fewer (0 of 4 where every row scored answers the full cache's 1), so the
 # served strategies score every row (docs/results/recall-smollm2/report.md, "The page sketch";
-# on prose it misses more, tuning.md, "The page sketch on prose").
+# on prose: `SKETCH_CANDIDATES`).
 SKETCH_STRATEGY = replace(CODES_STRATEGY, sketch_candidates=SKETCH_CANDIDATES)
 # With page value means too (`omitted_value_term`): the same, and the term computed afresh at
 # the evaluated steps (every second one under `VALUES_RECALL_KNOBS`), whose scoring it shares,
