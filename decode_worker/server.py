@@ -22,6 +22,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import SERVICE_NAME, DecodeServicer
 from services.model import LoadedModel, load
+from services.offload import codes_kernel
 from services.policy import PolicyClient, PolicyClientConfig
 from services.rpc.kvrelay.v1 import decode_pb2_grpc
 from services.rpc.server import RpcServer, ServiceBinding, start_server
@@ -63,6 +64,9 @@ class DecodeWorker:
             torch.set_num_threads(config.torch_threads)
         if loaded is None:
             loaded = await asyncio.to_thread(load, config.checkpoint, config.device, config.dtype)
+        # The codes ranking's kernel, built (once a machine) or loaded before the first request
+        # can need it: a build inside a request's step would stall the batch for seconds.
+        kernel = await asyncio.to_thread(codes_kernel.available)
         receiver = await asyncio.to_thread(KVReceiver, config.transfer, config.device)
         scheduler = DecodeScheduler(loaded, config.scheduler)
         scheduler.start()
@@ -84,8 +88,9 @@ class DecodeWorker:
             await _shut(servicer, executor)
             raise
         log.info(
-            "decode worker %s on %s, rendezvous %s, model %s",
+            "decode worker %s on %s, rendezvous %s, model %s, codes kernel %s",
             config.worker_id, rpc.address, receiver.address, loaded.path,
+            "built" if kernel else "unavailable (torch fallback)",
         )
         return cls(config, rpc, servicer, executor)
 

@@ -57,6 +57,7 @@ from enum import StrEnum
 import torch
 
 from services.kvpolicy.manifest import RecoverabilityContract
+from services.offload import codes_kernel
 from services.offload.errors import BoundInputInvalid
 from services.offload.pages import PageRef, PageSummaries
 
@@ -408,8 +409,9 @@ def code_logits(
     places it, `PageSummaries.row_estimates`): one batched product over the whole table
     (heads first: the reductions after it run over contiguous slots)."""
     grouped_q, readers = _grouped_query(summaries, query, head_to_owner, scale)  # [S, G, d_h]
-    estimates = summaries.code_table.estimates  # [S, d_h, slots] bfloat16
-    return CodeLogits(torch.bmm(grouped_q.to(estimates.dtype), estimates).float(), readers)
+    table = summaries.code_table
+    logits = codes_kernel.block_logits(grouped_q, table.estimates, summaries.head_dim, table.block)
+    return CodeLogits(logits, readers)
 
 
 def page_code_log_odds(
@@ -433,17 +435,22 @@ def page_code_log_odds(
     `docs/results/recall-smollm2/tuning.md`), and say how much a page would really add, so
     they can also decide whether a step recalls at all (`RecallStrategy.min_estimate`).
     """
-    if logits is None:
-        logits = code_logits(summaries, query, head_to_owner, scale=scale)
-    grouped_r = _grouped_lse(retained_lse, query, logits.readers, summaries.num_layers)
     alive = _check_live(live, summaries.num_pages)
     table = summaries.code_table
     # Per slot its most attentive reader, at least the largest head's estimate and at most
     # log(G) below a sum over heads, at a third of the work (this runs at every evaluated
     # step over every omitted row); then a log-sum-exp over each page's slots (unused slots
-    # are -inf).
-    best = (logits.logits - grouped_r).amax(dim=1).add_(table.slot_bias)  # [S, slots]
-    pages = best.view(-1, summaries.page_size).logsumexp(dim=1)  # [S * slots / page_size]
+    # are -inf). Without this step's logits, one pass of the kernel over the table.
+    if logits is None:
+        grouped, readers = _grouped_query(summaries, query, head_to_owner, scale)
+        grouped_r = _grouped_lse(retained_lse, query, readers, summaries.num_layers)
+        pages = codes_kernel.block_page_lse(grouped, grouped_r[:, :, 0], table.estimates,
+                                            table.slot_bias, summaries.head_dim, table.block,
+                                            summaries.page_size).flatten()
+    else:
+        grouped_r = _grouped_lse(retained_lse, query, logits.readers, summaries.num_layers)
+        pages = codes_kernel.page_lse_of(logits.logits, grouped_r[:, :, 0], table.slot_bias,
+                                         table.block, summaries.page_size).flatten()
     odds = pages.index_select(0, table.page_slot).double()  # [P_total]
     return odds.masked_fill_(~alive, -math.inf)
 
@@ -536,17 +543,22 @@ def _sketch_scores(summaries: PageSummaries, grouped: torch.Tensor, r: torch.Ten
 def _candidate_odds(summaries: PageSummaries, grouped: torch.Tensor, r: torch.Tensor,
                     pages: torch.Tensor) -> torch.Tensor:
     """`candidate_code_log_odds` from grouped s q and r (`_sketch_scores`).  # [C] float64"""
-    table, size = summaries.code_table, summaries.page_size
-    segments, dim, slots = table.estimates.shape
+    table, size, dim = summaries.code_table, summaries.page_size, summaries.head_dim
+    slots = table.slot_bias.shape[1]
     width = slots // size  # pages a segment
     cell = table.page_slot.index_select(0, pages)  # [C] in the [S * pages] grid
     segment, local = cell // width, cell % width
-    # Page p's coordinate c is the run of `size` slots at row (s d_h + c) width + local of
-    # the table seen as [S * d_h * pages, size]: one row gather (4x a fancy index's speed).
-    runs = ((segment * (dim * width) + local)[:, None] + torch.arange(dim) * width).flatten()
+    # Page p's coordinate c is a run of `size` slots of its block `[d_h, span]` (`span` slots:
+    # `table.block`, or fewer in a segment's last block); the table seen as rows of `size`
+    # slots, one row gather (4x a fancy index's speed).
+    per_block = table.block // size  # pages a full block
+    first = (local // per_block) * per_block  # the block's first page
+    span = torch.clamp(width - first, max=per_block)  # pages the block holds
+    start = segment * (dim * width) + first * dim  # the block's first row of `size` slots
+    runs = ((start + local - first)[:, None] + torch.arange(dim) * span[:, None]).flatten()
     rows = table.estimates.view(-1, size).index_select(0, runs).view(-1, dim, size)
-    logits = torch.bmm(grouped[segment].to(rows.dtype), rows).float()  # [C, G, size]
-    bias = table.slot_bias.view(segments, width, size)[segment, local]  # [C, size]
+    logits = torch.bmm(grouped[segment], rows.float())  # [C, G, size]
+    bias = table.slot_bias.view(-1, width, size)[segment, local]  # [C, size]
     best = logits.sub_(r[segment]).amax(dim=1).add_(bias)  # [C, size]
     return best.logsumexp(dim=1).double()
 
@@ -607,9 +619,11 @@ def layer_value_term(
     `bias`: `live_bias`."""
     owners = summaries.num_owners
     segments = slice(layer * owners, (layer + 1) * owners)
-    estimates = summaries.code_table.estimates[segments]  # [H_owner, d_h, slots]
+    table = summaries.code_table
+    estimates = table.estimates[segments]  # [H_owner, d_h * slots], contiguous rows
     q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [H_q, d_h]
-    logits = torch.bmm(q[readers].to(estimates.dtype), estimates).float()  # [H_owner, G, slots]
+    logits = codes_kernel.block_logits(q[readers], estimates, summaries.head_dim,
+                                       table.block)  # [H_owner, G, slots]
     page_mass, top = _page_masses(summaries, logits, bias[segments])
     mass, value = _term_of(summaries.value_grid[segments], page_mass, top)
     heads = readers.flatten()

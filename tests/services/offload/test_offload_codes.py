@@ -110,12 +110,13 @@ def test_code_table_places_every_row_in_its_page_slots_and_pads_with_minus_inf()
     keys, selected = _case(6, uneven=True)  # owners with different page counts, partial pages
     pages = summarize_pages(keys, selected, 4, code_bits=4)
     table = pages.code_table
-    segments, dim, slots = table.estimates.shape
+    coordinates = table.coordinates_first()
+    segments, dim, slots = coordinates.shape
     assert (segments, dim) == (pages.num_layers * pages.num_owners, 16) and slots % 4 == 0
     used = torch.isfinite(table.slot_bias).flatten()
     assert int(used.sum()) == pages.omitted_rows
     assert torch.equal(torch.nonzero(used)[:, 0], torch.sort(table.row_slot).values)
-    flat = table.estimates.mT.reshape(-1, dim)
+    flat = coordinates.mT.reshape(-1, dim)
     assert bool((flat[~used] == 0).all())
     # Row n of page p sits in page p's slots, in order: slot // page_size is page p's cell.
     cell = table.row_slot // pages.page_size
@@ -131,7 +132,8 @@ def test_the_page_sketch_is_each_pages_mean_and_variance_of_its_estimates() -> N
     pages = summarize_pages(keys, selected, 4, code_bits=4)
     table, sketch = pages.code_table, pages.page_sketch
     segments, dim, cells = sketch.mean.shape
-    assert (segments, dim) == table.estimates.shape[:2] and cells == table.estimates.shape[2] // 4
+    coordinates = table.coordinates_first()
+    assert (segments, dim) == coordinates.shape[:2] and cells == coordinates.shape[2] // 4
     assert sketch.variance.shape == sketch.mean.shape
     assert sketch.nbytes == 2 * sketch.mean.numel() * 2
     assert pages.code_table_bytes == table.nbytes  # no served strategy builds the sketch

@@ -1,0 +1,297 @@
+"""The codes table's scoring kernel: every omitted row's estimated logit for each reading head,
+and the per-page log-sum-exp the codes ranking reads, in one pass over the table.
+
+Why a kernel of our own: torch's batched bfloat16 product with 3 query rows per owner runs at
+4-7 GB/s on a CPU that streams the same table at 27-34 GB/s, and its bfloat16 accumulation errs
+by up to 0.04 nats (docs/results/recall-smollm2/tuning.md, "The page sketch on prose"). Over
+the table's blocks (`CodeTable`: each block of `block` slots is `[d_h, block]`, contiguous)
+the loop below accumulates in float32 and vectorizes over slots.
+
+Built once per machine with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja;
+cached under torch's extensions folder). Where it cannot be built, the same values come from
+torch (`_torch_logits`), slower; `available()` says which is in use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Most heads one owner is read by that the kernel takes (GQA groups are 1-8 heads wide), and
+# its widest block of slots.
+MAX_GROUP = 8
+MAX_BLOCK = 256
+# Slots a block holds, about: 128 measured fastest on a 2-core AVX-512 host (64: 3.0 ms, 128:
+# 2.9 ms, 256: 4.0 ms for a 44 MB table, tuning.md, "The page sketch on prose").
+BLOCK_SLOTS = 128
+
+
+def block_for(page_size: int) -> int:
+    """The table's block for pages of `page_size` slots: whole pages, about `BLOCK_SLOTS`."""
+    return page_size * max(1, BLOCK_SLOTS // page_size)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+constexpr int64_t kMaxGroup = 8;
+constexpr int64_t kMaxBlock = 256;
+
+inline float bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// acc[g][i] = sum_c q[g, c] * block[c, i] for i < width (block: [D, width] bfloat16).
+template <int64_t G>
+void block_dot(const float* q, const uint16_t* block, int64_t D, int64_t width,
+               float (*acc)[kMaxBlock]) {
+  for (int64_t g = 0; g < G; ++g) std::fill(acc[g], acc[g] + width, 0.f);
+  for (int64_t c = 0; c < D; ++c) {
+    const uint16_t* row = block + c * width;
+    float w[G];
+    for (int64_t g = 0; g < G; ++g) w[g] = q[g * D + c];
+    #pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float x = bf16(row[i]);
+      for (int64_t g = 0; g < G; ++g) acc[g][i] += w[g] * x;
+    }
+  }
+}
+
+void dot_any(int64_t G, const float* q, const uint16_t* block, int64_t D, int64_t width,
+             float (*acc)[kMaxBlock]) {
+  switch (G) {
+    case 1: return block_dot<1>(q, block, D, width, acc);
+    case 2: return block_dot<2>(q, block, D, width, acc);
+    case 3: return block_dot<3>(q, block, D, width, acc);
+    case 4: return block_dot<4>(q, block, D, width, acc);
+    case 5: return block_dot<5>(q, block, D, width, acc);
+    case 6: return block_dot<6>(q, block, D, width, acc);
+    case 7: return block_dot<7>(q, block, D, width, acc);
+    default: return block_dot<8>(q, block, D, width, acc);
+  }
+}
+
+void check(const torch::Tensor& q, const torch::Tensor& table, int64_t slots, int64_t block) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q");
+  TORCH_CHECK(q.size(1) >= 1 && q.size(1) <= kMaxGroup, "q: 1 to 8 heads an owner");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kBFloat16 && table.is_contiguous(),
+              "table");
+  TORCH_CHECK(table.size(0) == q.size(0) && table.size(1) == q.size(2) * slots, "table shape");
+  TORCH_CHECK(block >= 1 && block <= kMaxBlock, "block");
+}
+}  // namespace
+
+// logits[s, g, n] = q[s, g] . row n of segment s  -> [S, G, slots] float32
+torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, int64_t block) {
+  check(q, table, slots, block);
+  const int64_t S = q.size(0), G = q.size(1), D = q.size(2);
+  auto out = torch::empty({S, G, slots}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  float acc[kMaxGroup][kMaxBlock];
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t n0 = 0; n0 < slots; n0 += block) {
+      const int64_t width = std::min(block, slots - n0);
+      dot_any(G, qp + s * G * D, tp + s * D * slots + n0 * D, D, width, acc);
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(op + (s * G + g) * slots + n0, acc[g], sizeof(float) * width);
+    }
+  }
+  return out;
+}
+
+// Per page of `page` consecutive slots (from slot n0 on): logsumexp over its slots of
+// max_g (acc[g][i] - r[g]) + bias[i]; written to out[(n0 + p0) / page].
+void reduce_pages(const float* const* acc, int64_t G, const float* r, const float* bias,
+                  int64_t width, int64_t page, float* out) {
+  float best[kMaxBlock];
+  for (int64_t i = 0; i < width; ++i) best[i] = acc[0][i] - r[0];
+  for (int64_t g = 1; g < G; ++g)
+    for (int64_t i = 0; i < width; ++i) best[i] = std::max(best[i], acc[g][i] - r[g]);
+  for (int64_t i = 0; i < width; ++i) best[i] += bias[i];
+  for (int64_t p0 = 0; p0 < width; p0 += page) {
+    float top = -INFINITY;
+    for (int64_t i = p0; i < p0 + page; ++i) top = std::max(top, best[i]);
+    float total = 0.f;
+    if (top != -INFINITY)
+      for (int64_t i = p0; i < p0 + page; ++i) total += std::exp(best[i] - top);
+    out[p0 / page] = top == -INFINITY ? top : top + std::log(total);
+  }
+}
+
+void check_reduce(const torch::Tensor& r, const torch::Tensor& bias, int64_t S, int64_t G,
+                  int64_t slots, int64_t block, int64_t page) {
+  TORCH_CHECK(page >= 1 && block % page == 0 && slots % page == 0, "page");
+  TORCH_CHECK(r.scalar_type() == torch::kFloat32 && r.is_contiguous() && r.numel() == S * G, "r");
+  TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+              bias.numel() == S * slots, "bias");
+}
+
+// The page log-sum-exps of `block_logits`' output, in one pass over the table
+// -> [S, slots / page] float32
+torch::Tensor block_page_lse(torch::Tensor q, torch::Tensor r, torch::Tensor table,
+                             torch::Tensor bias, int64_t slots, int64_t block, int64_t page) {
+  check(q, table, slots, block);
+  const int64_t S = q.size(0), G = q.size(1), D = q.size(2);
+  check_reduce(r, bias, S, G, slots, block, page);
+  auto out = torch::empty({S, slots / page}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  float acc[kMaxGroup][kMaxBlock];
+  const float* rows[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) rows[g] = acc[g];
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t n0 = 0; n0 < slots; n0 += block) {
+      const int64_t width = std::min(block, slots - n0);
+      dot_any(G, qp + s * G * D, tp + s * D * slots + n0 * D, D, width, acc);
+      reduce_pages(rows, G, r.data_ptr<float>() + s * G, bias.data_ptr<float>() + s * slots + n0,
+                   width, page, op + s * (slots / page) + n0 / page);
+    }
+  }
+  return out;
+}
+
+// The same page log-sum-exps from logits already computed (`block_logits`), to the bit
+// -> [S, slots / page] float32
+torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor bias,
+                          int64_t block, int64_t page) {
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == torch::kFloat32 &&
+              logits.is_contiguous() && logits.size(1) <= kMaxGroup, "logits");
+  TORCH_CHECK(block >= 1 && block <= kMaxBlock, "block");
+  const int64_t S = logits.size(0), G = logits.size(1), slots = logits.size(2);
+  check_reduce(r, bias, S, G, slots, block, page);
+  auto out = torch::empty({S, slots / page}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* rows[kMaxGroup];
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t n0 = 0; n0 < slots; n0 += block) {
+      const int64_t width = std::min(block, slots - n0);
+      for (int64_t g = 0; g < G; ++g) rows[g] = lp + (s * G + g) * slots + n0;
+      reduce_pages(rows, G, r.data_ptr<float>() + s * G, bias.data_ptr<float>() + s * slots + n0,
+                   width, page, op + s * (slots / page) + n0 / page);
+    }
+  }
+  return out;
+}
+"""
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}
+
+
+def _module() -> Any | None:
+    """The built kernel, or None where it cannot be built (logged once)."""
+    with _LOCK:
+        if "module" not in _STATE:
+            _STATE["module"] = _build()
+        return _STATE["module"]
+
+
+def _build() -> Any | None:
+    from torch.utils import cpp_extension
+
+    # A ninja installed into this interpreter's environment is found even when its bin folder
+    # is not on PATH (`.venv/bin/pytest`, `.venv/bin/kvrelay`).
+    bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    try:
+        return cpp_extension.load_inline(
+            "kvrelay_codes_kernel_v2", cpp_sources=_SOURCE,
+            functions=["block_logits", "block_page_lse", "page_lse_of"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler or ninja: torch computes the same
+        log.warning("codes kernel not built (%s: %s); scoring falls back to torch",
+                    type(exc).__name__, exc)
+        return None
+
+
+def available() -> bool:
+    """Whether scoring runs the built kernel (builds it on first call)."""
+    return _module() is not None
+
+
+def to_blocks(coordinates_first: torch.Tensor, block: int) -> torch.Tensor:
+    """`[S, d_h, slots]` -> the blocked layout `[S, d_h * slots]`: slots in blocks of `block`
+    (the last one shorter when `block` does not divide `slots`), each block `[d_h, width]`."""
+    segments, dim, slots = coordinates_first.shape
+    parts = [coordinates_first[:, :, n0:n0 + block].reshape(segments, -1)
+             for n0 in range(0, slots, block)]
+    out = torch.cat(parts, dim=1) if parts else coordinates_first.reshape(segments, 0)
+    return out.contiguous()
+
+
+def from_blocks(table: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    """The inverse of `to_blocks`: `[S, d_h * slots]` -> `[S, d_h, slots]` (a copy)."""
+    segments = table.shape[0]
+    slots = table.shape[1] // dim if dim else 0
+    parts = []
+    for n0 in range(0, slots, block):
+        width = min(block, slots - n0)
+        parts.append(table[:, n0 * dim:(n0 + width) * dim].view(segments, dim, width))
+    return torch.cat(parts, dim=2) if parts else table.new_zeros(segments, dim, 0)
+
+
+def block_logits(query: torch.Tensor, table: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    """s q . k^ for every slot and reading head: grouped query `[S, G, d_h]` float32 over the
+    blocked table `[S, d_h * slots]` bfloat16.  # [S, G, slots] float32"""
+    slots = table.shape[1] // dim
+    module = _kernel(query, block)
+    if module is None:
+        return _torch_logits(query, table, dim, block)
+    return module.block_logits(query.float().contiguous(), table, slots, block)
+
+
+def block_page_lse(query: torch.Tensor, retained_lse: torch.Tensor, table: torch.Tensor,
+                   bias: torch.Tensor, dim: int, block: int, page: int) -> torch.Tensor:
+    """Per page of `page` slots, the log-sum-exp over its slots of the best reading head's
+    s q . k^ - r plus the slot's bias (`retained_lse` r `[S, G]`, bias `[S, slots]`, -inf for an
+    unused slot).  # [S, slots / page] float32"""
+    module = _kernel(query, block)
+    if module is None:
+        return page_lse_of(_torch_logits(query, table, dim, block), retained_lse, bias, block,
+                           page)
+    return module.block_page_lse(query.float().contiguous(), retained_lse.float().contiguous(),
+                                 table, bias.float().contiguous(), table.shape[1] // dim, block,
+                                 page)
+
+
+def page_lse_of(logits: torch.Tensor, retained_lse: torch.Tensor, bias: torch.Tensor,
+                block: int, page: int) -> torch.Tensor:
+    """`block_page_lse` from `block_logits`' output `[S, G, slots]`, equal to it to the bit
+    (the same reduction code).  # [S, slots / page] float32"""
+    module = _kernel(logits, block)
+    if module is None:
+        best = (logits - retained_lse[:, :, None]).amax(dim=1).add_(bias)  # [S, slots]
+        return best.view(best.shape[0], -1, page).logsumexp(dim=2)
+    return module.page_lse_of(logits.float().contiguous(), retained_lse.float().contiguous(),
+                              bias.float().contiguous(), block, page)
+
+
+def _kernel(query: torch.Tensor, block: int) -> Any | None:
+    """The kernel where it takes these shapes (`query` `[S, G, ...]` on the CPU), else None."""
+    fits = query.shape[1] <= MAX_GROUP and block <= MAX_BLOCK and query.device.type == "cpu"
+    return _module() if fits else None
+
+
+def _torch_logits(query: torch.Tensor, table: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    """`block_logits` without the kernel: float32 products over the coordinates-first copy."""
+    return torch.bmm(query.float(), from_blocks(table, dim, block).float())

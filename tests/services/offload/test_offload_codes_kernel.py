@@ -1,0 +1,80 @@
+"""The codes table's scoring kernel against float64 brute force over the same estimates, and
+the torch fallback against the kernel (services/offload/codes_kernel.py)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from services.offload import codes_kernel
+
+
+def _case(seed: int, segments: int, group: int, dim: int, slots: int, page: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(segments, dim, slots, generator=gen).to(torch.bfloat16)
+    query = torch.randn(segments, group, dim, generator=gen) * 0.5
+    lse = torch.randn(segments, group, generator=gen)
+    bias = torch.zeros(segments, slots)
+    bias[:, -(page + 1):] = -math.inf  # a page wholly unused and one partly
+    bias[0, :] = -math.inf  # a segment with no rows
+    return table, query, lse, bias
+
+
+def _brute(table: torch.Tensor, query: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor,
+           page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.einsum("sgd,sdn->sgn", query.double(), table.double())
+    best = (logits - lse.double()[:, :, None]).amax(dim=1) + bias.double()
+    return logits, best.view(best.shape[0], -1, page).logsumexp(dim=2)
+
+
+def test_the_kernel_is_built_wherever_a_compiler_is() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        assert not codes_kernel.available()
+        return
+    assert codes_kernel.available()
+
+
+@pytest.mark.parametrize(("group", "slots", "page", "block"),
+                         [(3, 96, 8, 32), (3, 100, 4, 64), (1, 40, 8, 16), (5, 24, 8, 8),
+                          (8, 16, 4, 256)])
+def test_scores_equal_brute_force_whatever_the_blocks(group: int, slots: int, page: int,
+                                                      block: int) -> None:
+    table, query, lse, bias = _case(group * slots, 6, group, 16, slots, page)
+    blocked = codes_kernel.to_blocks(table, block)
+    assert blocked.shape == (6, 16 * slots)
+    assert torch.equal(codes_kernel.from_blocks(blocked, 16, block), table)
+    want_logits, want_pages = _brute(table, query, lse, bias, page)
+    logits = codes_kernel.block_logits(query, blocked, 16, block)
+    assert torch.allclose(logits.double(), want_logits, atol=1e-4, rtol=0)  # float32 sums
+    pages = codes_kernel.block_page_lse(query, lse, blocked, bias, 16, block, page)
+    finite = torch.isfinite(want_pages)
+    assert torch.equal(torch.isfinite(pages), finite)
+    assert bool(finite.any()) and not bool(finite[0].any())
+    assert torch.allclose(pages.double()[finite], want_pages[finite], atol=1e-4, rtol=0)
+    # From logits already computed: the same values to the bit.
+    assert torch.equal(codes_kernel.page_lse_of(logits, lse, bias, block, page), pages)
+
+
+def test_the_torch_fallback_gives_what_the_kernel_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    table, query, lse, bias = _case(3, 4, 3, 16, 48, 8)
+    blocked = codes_kernel.to_blocks(table, 32)
+    kernel = codes_kernel.block_page_lse(query, lse, blocked, bias, 16, 32, 8)
+    kernel_logits = codes_kernel.block_logits(query, blocked, 16, 32)
+    monkeypatch.setattr(codes_kernel, "_kernel", lambda query, block: None)
+    fallback = codes_kernel.block_page_lse(query, lse, blocked, bias, 16, 32, 8)
+    finite = torch.isfinite(kernel)
+    assert torch.equal(torch.isfinite(fallback), finite)
+    assert torch.allclose(fallback[finite], kernel[finite], atol=1e-4, rtol=0)
+    assert torch.allclose(codes_kernel.block_logits(query, blocked, 16, 32), kernel_logits,
+                          atol=1e-4, rtol=0)
+
+
+def test_a_block_holds_whole_pages() -> None:
+    for page in (1, 3, 8, 16, 100, 128, 300):
+        block = codes_kernel.block_for(page)
+        assert block % page == 0 and block >= page
+    assert codes_kernel.block_for(8) == codes_kernel.BLOCK_SLOTS
