@@ -55,34 +55,43 @@ inline float bf16(uint16_t bits) {
   return out;
 }
 
-// acc[g][i] = sum_c q[g, c] * block[c, i] for i < width (block: [D, width] bfloat16).
-template <int64_t G>
-void block_dot(const float* q, const uint16_t* block, int64_t D, int64_t width,
+// acc[g0 + k][i] += sum_c q[g0 + k, c] * block[c, i] for k < K <= 4 and i < width: up to four
+// reading heads at a time, each accumulator its own restrict pointer so the slot loop vectorizes.
+template <int64_t K>
+void heads_dot(const float* q, int64_t g0, const uint16_t* block, int64_t D, int64_t width,
                float (*acc)[kMaxBlock]) {
-  for (int64_t g = 0; g < G; ++g) std::fill(acc[g], acc[g] + width, 0.f);
+  float* __restrict a0 = acc[g0];
+  float* __restrict a1 = acc[g0 + (K > 1 ? 1 : 0)];
+  float* __restrict a2 = acc[g0 + (K > 2 ? 2 : 0)];
+  float* __restrict a3 = acc[g0 + (K > 3 ? 3 : 0)];
   for (int64_t c = 0; c < D; ++c) {
-    const uint16_t* row = block + c * width;
-    float w[G];
-    for (int64_t g = 0; g < G; ++g) w[g] = q[g * D + c];
+    const uint16_t* __restrict row = block + c * width;
+    const float w0 = q[g0 * D + c];
+    const float w1 = K > 1 ? q[(g0 + 1) * D + c] : 0.f;
+    const float w2 = K > 2 ? q[(g0 + 2) * D + c] : 0.f;
+    const float w3 = K > 3 ? q[(g0 + 3) * D + c] : 0.f;
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i) {
       const float x = bf16(row[i]);
-      for (int64_t g = 0; g < G; ++g) acc[g][i] += w[g] * x;
+      a0[i] += w0 * x;
+      if constexpr (K > 1) a1[i] += w1 * x;
+      if constexpr (K > 2) a2[i] += w2 * x;
+      if constexpr (K > 3) a3[i] += w3 * x;
     }
   }
 }
 
+// acc[g][i] = sum_c q[g, c] * block[c, i] for g < G, i < width (block: [D, width] bfloat16).
 void dot_any(int64_t G, const float* q, const uint16_t* block, int64_t D, int64_t width,
              float (*acc)[kMaxBlock]) {
-  switch (G) {
-    case 1: return block_dot<1>(q, block, D, width, acc);
-    case 2: return block_dot<2>(q, block, D, width, acc);
-    case 3: return block_dot<3>(q, block, D, width, acc);
-    case 4: return block_dot<4>(q, block, D, width, acc);
-    case 5: return block_dot<5>(q, block, D, width, acc);
-    case 6: return block_dot<6>(q, block, D, width, acc);
-    case 7: return block_dot<7>(q, block, D, width, acc);
-    default: return block_dot<8>(q, block, D, width, acc);
+  for (int64_t g = 0; g < G; ++g) std::fill(acc[g], acc[g] + width, 0.f);
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: heads_dot<1>(q, g0, block, D, width, acc); break;
+      case 2: heads_dot<2>(q, g0, block, D, width, acc); break;
+      case 3: heads_dot<3>(q, g0, block, D, width, acc); break;
+      default: heads_dot<4>(q, g0, block, D, width, acc); break;
+    }
   }
 }
 
@@ -104,7 +113,7 @@ torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, 
   const float* qp = q.data_ptr<float>();
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
-  float acc[kMaxGroup][kMaxBlock];
+  alignas(64) float acc[kMaxGroup][kMaxBlock];
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t n0 = 0; n0 < slots; n0 += block) {
       const int64_t width = std::min(block, slots - n0);
@@ -120,18 +129,25 @@ torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, 
 // max_g (acc[g][i] - r[g]) + bias[i]; written to out[(n0 + p0) / page].
 void reduce_pages(const float* const* acc, int64_t G, const float* r, const float* bias,
                   int64_t width, int64_t page, float* out) {
-  float best[kMaxBlock];
+  alignas(64) float best[kMaxBlock];
   for (int64_t i = 0; i < width; ++i) best[i] = acc[0][i] - r[0];
   for (int64_t g = 1; g < G; ++g)
     for (int64_t i = 0; i < width; ++i) best[i] = std::max(best[i], acc[g][i] - r[g]);
   for (int64_t i = 0; i < width; ++i) best[i] += bias[i];
+  // Each slot less its page's largest (a page of unused slots only: 0 - inf, never NaN), one
+  // vectorized exp over the block, then a sum and a log a page.
+  alignas(64) float top[kMaxBlock];
   for (int64_t p0 = 0; p0 < width; p0 += page) {
-    float top = -INFINITY;
-    for (int64_t i = p0; i < p0 + page; ++i) top = std::max(top, best[i]);
+    float m = -INFINITY;
+    for (int64_t i = p0; i < p0 + page; ++i) m = std::max(m, best[i]);
+    for (int64_t i = p0; i < p0 + page; ++i) top[i] = m == -INFINITY ? 0.f : m;
+  }
+  #pragma omp simd
+  for (int64_t i = 0; i < width; ++i) best[i] = std::exp(best[i] - top[i]);
+  for (int64_t p0 = 0; p0 < width; p0 += page) {
     float total = 0.f;
-    if (top != -INFINITY)
-      for (int64_t i = p0; i < p0 + page; ++i) total += std::exp(best[i] - top);
-    out[p0 / page] = top == -INFINITY ? top : top + std::log(total);
+    for (int64_t i = p0; i < p0 + page; ++i) total += best[i];
+    out[p0 / page] = total == 0.f ? -INFINITY : top[p0] + std::log(total);
   }
 }
 
@@ -154,7 +170,7 @@ torch::Tensor block_page_lse(torch::Tensor q, torch::Tensor r, torch::Tensor tab
   const float* qp = q.data_ptr<float>();
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
-  float acc[kMaxGroup][kMaxBlock];
+  alignas(64) float acc[kMaxGroup][kMaxBlock];
   const float* rows[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) rows[g] = acc[g];
   for (int64_t s = 0; s < S; ++s) {
@@ -214,9 +230,9 @@ def _build() -> Any | None:
     os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     try:
         return cpp_extension.load_inline(
-            "kvrelay_codes_kernel_v2", cpp_sources=_SOURCE,
+            "kvrelay_codes_kernel_v5", cpp_sources=_SOURCE,
             functions=["block_logits", "block_page_lse", "page_lse_of"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False,
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler or ninja: torch computes the same
         log.warning("codes kernel not built (%s: %s); scoring falls back to torch",
