@@ -557,7 +557,7 @@ def _candidate_odds(summaries: PageSummaries, grouped: torch.Tensor, r: torch.Te
     start = segment * (dim * width) + first * dim  # the block's first row of `size` slots
     runs = ((start + local - first)[:, None] + torch.arange(dim) * span[:, None]).flatten()
     rows = table.estimates.view(-1, size).index_select(0, runs).view(-1, dim, size)
-    logits = torch.bmm(grouped[segment], rows.float())  # [C, G, size]
+    logits = codes_kernel.row_logits(grouped[segment], rows, table.block)  # [C, G, size]
     bias = table.slot_bias.view(-1, width, size)[segment, local]  # [C, size]
     best = logits.sub_(r[segment]).amax(dim=1).add_(bias)  # [C, size]
     return best.logsumexp(dim=1).double()

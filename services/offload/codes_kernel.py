@@ -8,14 +8,17 @@ the table's blocks (`CodeTable`: each block of `block` slots is `[d_h, block]`, 
 the loop below accumulates in float32 and vectorizes over slots.
 
 Built once per machine with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja;
-cached under torch's extensions folder). Where it cannot be built, the same values come from
-torch (`_torch_logits`), slower; `available()` says which is in use.
+cached under torch's extensions folder). Where it cannot be built, tables are laid out in one
+block (`table_block`: coordinates-first, as before the kernel) and torch's bfloat16 product
+scores them as it did; `available()` says which is in use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import sys
 import threading
 from typing import Any
@@ -34,8 +37,18 @@ BLOCK_SLOTS = 128
 
 
 def block_for(page_size: int) -> int:
-    """The table's block for pages of `page_size` slots: whole pages, about `BLOCK_SLOTS`."""
+    """The kernel's block for pages of `page_size` slots: whole pages, about `BLOCK_SLOTS`."""
     return page_size * max(1, BLOCK_SLOTS // page_size)
+
+
+def table_block(page_size: int, slots: int) -> int:
+    """The block a codes table of `slots` slots a segment is laid out in: the kernel's where it
+    is built, else one block of every slot (coordinates-first `[S, d_h, slots]`, the layout
+    torch's batched product reads fastest)."""
+    block = block_for(page_size)
+    if block <= MAX_BLOCK and available():
+        return block
+    return max(slots, page_size)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -230,7 +243,7 @@ def _build() -> Any | None:
     os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     try:
         return cpp_extension.load_inline(
-            "kvrelay_codes_kernel_v5", cpp_sources=_SOURCE,
+            f"kvrelay_codes_kernel_{_cpu_tag()}", cpp_sources=_SOURCE,
             functions=["block_logits", "block_page_lse", "page_lse_of"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
         )
@@ -238,6 +251,19 @@ def _build() -> Any | None:
         log.warning("codes kernel not built (%s: %s); scoring falls back to torch",
                     type(exc).__name__, exc)
         return None
+
+
+def _cpu_tag() -> str:
+    """The build's name part that tells CPUs apart: `-march=native` code from one machine must
+    never load on another (a shared home folder), so the instruction sets name the build."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        pass
+    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    return f"v5_{digest}"
 
 
 def available() -> bool:
@@ -249,6 +275,8 @@ def to_blocks(coordinates_first: torch.Tensor, block: int) -> torch.Tensor:
     """`[S, d_h, slots]` -> the blocked layout `[S, d_h * slots]`: slots in blocks of `block`
     (the last one shorter when `block` does not divide `slots`), each block `[d_h, width]`."""
     segments, dim, slots = coordinates_first.shape
+    if block >= slots:
+        return coordinates_first.reshape(segments, -1).contiguous()
     parts = [coordinates_first[:, :, n0:n0 + block].reshape(segments, -1)
              for n0 in range(0, slots, block)]
     out = torch.cat(parts, dim=1) if parts else coordinates_first.reshape(segments, 0)
@@ -259,6 +287,8 @@ def from_blocks(table: torch.Tensor, dim: int, block: int) -> torch.Tensor:
     """The inverse of `to_blocks`: `[S, d_h * slots]` -> `[S, d_h, slots]` (a copy)."""
     segments = table.shape[0]
     slots = table.shape[1] // dim if dim else 0
+    if block >= slots:  # one block: already coordinates-first
+        return table.view(segments, dim, slots)
     parts = []
     for n0 in range(0, slots, block):
         width = min(block, slots - n0)
@@ -302,6 +332,15 @@ def page_lse_of(logits: torch.Tensor, retained_lse: torch.Tensor, bias: torch.Te
                               bias.float().contiguous(), block, page)
 
 
+def row_logits(query: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:
+    """`[C, G, d_h] @ [C, d_h, n]` for rows gathered from a table of blocks of `block` slots,
+    summed as that table is scored (float32 where the kernel scores it, else torch's bfloat16
+    product), so a page scored from its rows equals the whole table's scoring.  # float32"""
+    if _kernel(query, block) is not None:
+        return torch.bmm(query.float(), rows.float())
+    return torch.bmm(query.to(rows.dtype), rows).float()
+
+
 def _kernel(query: torch.Tensor, block: int) -> Any | None:
     """The kernel where it takes these shapes (`query` `[S, G, ...]` on the CPU), else None."""
     fits = query.shape[1] <= MAX_GROUP and block <= MAX_BLOCK and query.device.type == "cpu"
@@ -309,5 +348,6 @@ def _kernel(query: torch.Tensor, block: int) -> Any | None:
 
 
 def _torch_logits(query: torch.Tensor, table: torch.Tensor, dim: int, block: int) -> torch.Tensor:
-    """`block_logits` without the kernel: float32 products over the coordinates-first copy."""
-    return torch.bmm(query.float(), from_blocks(table, dim, block).float())
+    """`block_logits` without the kernel: torch's bfloat16 product over the coordinates-first
+    table (a view when the table is one block, `table_block`; else a copy)."""
+    return torch.bmm(query.to(table.dtype), from_blocks(table, dim, block)).float()

@@ -203,8 +203,8 @@ class CodeTable:
     a contiguous run of slots (its log-sum-exp a dense reduction, not a scatter). Stored in
     blocks of `block` slots (whole pages), each block coordinates-first `[d_h, block]` and
     contiguous, `[S, d_h * slots]` in all: `codes_kernel` scores a block's slots for every
-    reading head in one pass (3.5 ms for a 44 MB table against 8 ms for torch's bfloat16 product
-    over `[S, d_h, slots]` and its reductions), and a page's coordinate is still a run of
+    reading head in one pass (4.9 ms for a 44 MB table against 8-14 ms for torch's bfloat16
+    product over `[S, d_h, slots]` and its reductions), and a page's coordinate is still a run of
     `page_size` slots.
 
     Keys as their codes place them: k^ = min + c (max - min) / (2^b - 1) per coordinate, in
@@ -220,6 +220,7 @@ class CodeTable:
     page_slot: torch.Tensor  # [P_total] int64, page p's index in the [S * slots / page_size] grid
     row_slot: torch.Tensor  # [N] int64, row n's index in the flat [S * slots] slots
     block: int  # slots a block holds (whole pages; the last block of a segment may be shorter)
+    # (`codes_kernel.table_block`: one block of every slot where the kernel is not built)
 
     @property
     def nbytes(self) -> int:
@@ -635,7 +636,7 @@ def _code_table(summaries: PageSummaries) -> CodeTable:
     estimates = torch.zeros(segments * slots, dim, dtype=torch.bfloat16)
     estimates.index_copy_(0, row_slot, rows)
     bias = torch.full((segments * slots,), -math.inf).index_fill_(0, row_slot, 0.0)
-    block = codes_kernel.block_for(size)
+    block = codes_kernel.table_block(size, slots)
     blocked = codes_kernel.to_blocks(estimates.view(segments, slots, dim).mT, block)
     return CodeTable(blocked, bias.view(segments, slots), page_slot, row_slot, block)
 

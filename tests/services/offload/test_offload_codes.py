@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from services.offload import codes_kernel
 from services.offload.bound import (
     Ranking,
     candidate_code_log_odds,
@@ -79,8 +80,18 @@ def test_codes_round_trip_and_bound_each_coordinate_by_its_page_box(bits: int) -
     assert pages.nbytes == plain.nbytes + pages.row_codes.numel()
 
 
+def _without_kernel(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
+    """Score as a machine without a C++ compiler does (one coordinates-first block, torch)."""
+    if not kernel:
+        monkeypatch.setattr(codes_kernel, "available", lambda: False)
+        monkeypatch.setattr(codes_kernel, "_kernel", lambda query, block: None)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("uneven", [False, True])
-def test_page_log_odds_equal_brute_force_over_the_estimates(uneven: bool) -> None:
+def test_page_log_odds_equal_brute_force_over_the_estimates(
+        uneven: bool, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_kernel(monkeypatch, kernel)
     keys, selected = _case(2, uneven=uneven)
     pages = summarize_pages(keys, selected, 4, code_bits=2)
     head_to_owner = [0, 0, 1, 1]  # GQA: 4 query heads on 2 K/V heads
@@ -182,8 +193,11 @@ def test_sketch_scores_equal_brute_force_over_each_pages_rows(seed: int) -> None
         assert abs(float(got[page]) - expected) < 5e-2  # bfloat16 sketch and products
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("seed", [10, 11])
-def test_candidates_get_the_full_scorings_log_odds_and_the_rest_minus_inf(seed: int) -> None:
+def test_candidates_get_the_full_scorings_log_odds_and_the_rest_minus_inf(
+        seed: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_kernel(monkeypatch, kernel)
     pages, query, lse, live = _scoring_case(seed)
     head_to_owner = [0, 1, 0, 1]
     full = page_code_log_odds(pages, query, lse, head_to_owner, live=live)
