@@ -406,8 +406,9 @@ def code_logits(
     scale: float | None = None,
 ) -> CodeLogits:
     """s q_h . k^_n for every code slot and reading head (k^_n: the row's key as its code
-    places it, `PageSummaries.row_estimates`): one batched product over the whole table
-    (heads first: the reductions after it run over contiguous slots)."""
+    places it, `PageSummaries.row_estimates`): one pass over the whole table
+    (`codes_kernel.block_logits`; heads first: the reductions after it run over contiguous
+    slots)."""
     grouped_q, readers = _grouped_query(summaries, query, head_to_owner, scale)  # [S, G, d_h]
     table = summaries.code_table
     logits = codes_kernel.block_logits(grouped_q, table.estimates, summaries.head_dim, table.block)
