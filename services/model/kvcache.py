@@ -42,7 +42,7 @@ where RoPE is the identity, so its query and key arrive unrotated).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -201,10 +201,15 @@ class StepCapture:
 
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H_q, d_h]
     lse: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H_q] fp32
+    # Called with each layer's record as soon as it is in (on the decode thread, while later
+    # layers are still to run): work that reads one layer's attention starts there.
+    on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def record(self, layer: int, q: torch.Tensor, lse: torch.Tensor) -> None:
         self.queries[layer] = q.detach()
         self.lse[layer] = lse.detach()
+        if self.on_layer is not None:
+            self.on_layer(layer, self.queries[layer], self.lse[layer])
 
     def query(self, slot: int) -> torch.Tensor:
         """Post-RoPE queries of one request, every layer.  # [L, H_q, d_h]"""

@@ -415,6 +415,31 @@ def code_logits(
     return CodeLogits(logits, readers)
 
 
+def layer_page_lse(
+    summaries: PageSummaries,
+    layer: int,
+    query: torch.Tensor,
+    retained_lse: torch.Tensor,
+    readers: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`page_code_log_odds`' page log-sum-exps of one layer's owner segments, from that
+    layer's queries `[H_q, d_h]` and r `[H_q]` alone (`readers`: `owner_readers`), equal to the
+    whole table's to the bit (the kernel scores segments independently): a layer is scored as
+    soon as its attention is in, while the later layers of the step still run.
+    # [H_owner, slots / page_size] float32"""
+    if not 0 <= layer < summaries.num_layers:
+        raise BoundInputInvalid("layer", f"must be in [0, {summaries.num_layers}), got {layer}")
+    owners, table = summaries.num_owners, summaries.code_table
+    q = query.detach().float().cpu() * _scale(scale, summaries.head_dim)  # [H_q, d_h]
+    r = retained_lse.detach().double().cpu()[readers].float()  # [H_owner, G]
+    rows = slice(layer * owners, (layer + 1) * owners)
+    return codes_kernel.block_page_lse(q[readers], r, table.estimates[rows],
+                                       table.slot_bias[rows], summaries.head_dim, table.block,
+                                       summaries.page_size)
+
+
 def page_code_log_odds(
     summaries: PageSummaries,
     query: torch.Tensor,
@@ -424,12 +449,15 @@ def page_code_log_odds(
     live: torch.Tensor | None = None,
     scale: float | None = None,
     logits: CodeLogits | None = None,
+    page_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per page, log(estimated mass of its rows / resident mass): logsumexp over the page's
     rows n of max over the reading heads h of s * q_h . k^_n - r_h, with k^_n the row's key as
     its code places it (`PageSummaries.row_estimates`). An estimate, not a bound (the codes
     round each coordinate to 2^b levels of its page's box). -inf for pages not `live`.
-    `logits`: this step's `code_logits`, when already computed.  # [P_total] float64
+    `logits`: this step's `code_logits`, when already computed; `page_lse`: the page
+    log-sum-exps `[S, slots / page_size]` themselves, scored layer by layer as the step ran
+    (`layer_page_lse`).  # [P_total] float64
 
     Why: the Quest bound sits ~13 nats above a real model's true page logits and ranks the
     needle's pages hundreds deep; the codes' estimates rank them first (1-bit codes already:
@@ -442,7 +470,15 @@ def page_code_log_odds(
     # log(G) below a sum over heads, at a third of the work (this runs at every evaluated
     # step over every omitted row); then a log-sum-exp over each page's slots (unused slots
     # are -inf). Without this step's logits, one pass of the kernel over the table.
-    if logits is None:
+    if page_lse is not None:
+        _check_query(summaries, query, head_to_owner)
+        _check_lse(retained_lse, summaries.num_layers, int(query.shape[1]))
+        grid = (summaries.num_layers * summaries.num_owners,
+                table.slot_bias.shape[1] // summaries.page_size)
+        if tuple(page_lse.shape) != grid:
+            raise BoundInputInvalid("page_lse", f"shape {tuple(page_lse.shape)}, expected {grid}")
+        pages = page_lse.flatten()
+    elif logits is None:
         grouped, readers = _grouped_query(summaries, query, head_to_owner, scale)
         grouped_r = _grouped_lse(retained_lse, query, readers, summaries.num_layers)
         pages = codes_kernel.block_page_lse(grouped, grouped_r[:, :, 0], table.estimates,

@@ -123,6 +123,7 @@ torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, 
   check(q, table, slots, block);
   const int64_t S = q.size(0), G = q.size(1), D = q.size(2);
   auto out = torch::empty({S, G, slots}, q.options());
+  pybind11::gil_scoped_release no_gil;  // a recall planner thread scores beside the decode loop
   const float* qp = q.data_ptr<float>();
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
@@ -180,6 +181,7 @@ torch::Tensor block_page_lse(torch::Tensor q, torch::Tensor r, torch::Tensor tab
   const int64_t S = q.size(0), G = q.size(1), D = q.size(2);
   check_reduce(r, bias, S, G, slots, block, page);
   auto out = torch::empty({S, slots / page}, q.options());
+  pybind11::gil_scoped_release no_gil;
   const float* qp = q.data_ptr<float>();
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
@@ -207,6 +209,7 @@ torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor b
   const int64_t S = logits.size(0), G = logits.size(1), slots = logits.size(2);
   check_reduce(r, bias, S, G, slots, block, page);
   auto out = torch::empty({S, slots / page}, logits.options());
+  pybind11::gil_scoped_release no_gil;
   const float* lp = logits.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* rows[kMaxGroup];
@@ -263,7 +266,7 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-    return f"v5_{digest}"
+    return f"v6_{digest}"
 
 
 def available() -> bool:

@@ -98,6 +98,7 @@ from services.offload.bound import (
     bound_omitted_mass,
     choose_estimated,
     choose_pages,
+    layer_page_lse,
     layer_value_term,
     live_bias,
     live_grid,
@@ -136,6 +137,9 @@ class RecallStatus(StrEnum):
     BELOW_THRESHOLD = "below_threshold"  # evaluated: no owner's bound passed the threshold
     RECALLED = "recalled"  # pages merged (the step recomputed, or applied before it ran)
     FETCHING = "fetching"  # evaluated: pages asked for in the background, rows at the next step
+    # evaluated: the step's queries are scored in the background; the next step reports what
+    # the plan asked for (RECALLED with its pages, BELOW_THRESHOLD, or a fallback)
+    PLANNING = "planning"
     CONTINUED_LOSSY = "continued_lossy"  # rows unavailable; the manifest says continue_lossy
     FAILED = "failed"  # rows unavailable (fail_request) or the successor was rejected
 
@@ -253,6 +257,12 @@ class RecallStrategy:
     # omitted-value term already computed read those instead.
     sketch_candidates: int | None = None
     sketch_width: float = SKETCH_WIDTH
+    # Deferred steps: the step's queries are scored on the planner thread (`plan_pool()`)
+    # while the decode loop goes on, and the fetch starts from there; the step reports
+    # PLANNING and the next one what its plan asked for. The rows land before the same step
+    # as when planned on the decode thread (False: FETCHING), so the answers are the same;
+    # the decode loop waits only for whatever is not done when the next step begins.
+    plan_in_background: bool = False
 
     def __post_init__(self) -> None:
         if self.min_estimate is not None and self.ranking is Ranking.BOUND:
@@ -306,7 +316,7 @@ DEFERRED_AFTER_FIRST = RecallStrategy(recompute_steps=1)
 # mass), and each ranked page brings its successor. Tuned on prompts from TUNE_SEED
 # (docs/results/recall-smollm2/tuning.md, "Row codes").
 CODES_STRATEGY = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_estimate=-2.0,
-                                successor_pages=1)
+                                successor_pages=1, plan_in_background=True)
 # The same, scoring row by row only the 1024 pages the page sketch scores best
 # (`SKETCH_CANDIDATES`): on the 4K tuning prompts the same answers and recalls at 1.39-1.50x
 # the irrecoverable TPOT at batch 8 against 1.56-1.71x; on the 4K report prompts one
@@ -348,6 +358,30 @@ def fetch_pool() -> concurrent.futures.Executor:
         return _POOL[0]
 
 
+def plan_pool() -> concurrent.futures.Executor:
+    """The process's planner thread (deferred recalls planned in the background,
+    `RecallStrategy.plan_in_background`; created on first use). One thread: the plans of a
+    batch queue behind each other on the core the decode loop's torch threads leave, rather
+    than take cores from the step they run beside."""
+    with _POOL_LOCK:
+        if len(_POOL) < 2:
+            if not _POOL:
+                _POOL.append(concurrent.futures.ThreadPoolExecutor(
+                    max_workers=8, thread_name_prefix="recall"))
+            _POOL.append(
+                concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-plan")
+            )
+        return _POOL[1]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a background plan decided: the plan, and its fetch when it asked for pages."""
+
+    plan: RecallPlan
+    fetch: concurrent.futures.Future[_Fetched] | None
+
+
 @dataclass(frozen=True)
 class _Fetched:
     """What a background fetch brought: checked pages and the successor built on them."""
@@ -359,11 +393,13 @@ class _Fetched:
 
 @dataclass(frozen=True)
 class _Pending:
-    """A deferred recall in flight: its plan's outcome, the future and its start time."""
+    """A deferred recall in flight: its plan's outcome, the future (the fetch's, or the
+    background plan's when `planning`) and its start time."""
 
     outcome: RecallOutcome
-    future: concurrent.futures.Future[_Fetched]
+    future: concurrent.futures.Future[_Fetched] | concurrent.futures.Future[_Planned]
     started: float
+    planning: bool = False
 
 
 class RecallSession:
@@ -470,16 +506,67 @@ class RecallSession:
         base = plan.outcome
         if not plan.pages:
             return base
-        # The rows land before the next step runs: the successor describes the cache once
-        # that step is in, as a recomputed recall's does (one more token, two generations).
-        next_step = cache_generation_after(self.cache_generation, recalled=recalled_now)
-        generation = cache_generation_after(next_step, recalled=True)
-        frontier = self._frontier_after_step(cache) + 1
-        state = self.state
-        executor = self._executor or fetch_pool()
-        future = executor.submit(self._fetch_in_background, plan.pages, state, generation, frontier)
+        generation, frontier = self._deferred_successor(cache, recalled_now)
+        future = self._fetches().submit(self._fetch_in_background, plan.pages, self.state,
+                                        generation, frontier)
         self._pending = _Pending(base, future, self._clock())
         return replace(base, status=RecallStatus.FETCHING, pages=(), fetching=plan.pages)
+
+    def scores_alongside(self) -> bool:
+        """Whether this step's codes scoring runs layer by layer on the planner thread while
+        the step's later layers still run (`LayerScores`): a deferred step planned in the
+        background, scoring every row, without the value term's logits to read instead."""
+        strategy = self.strategy
+        return (strategy.plan_in_background and strategy.ranking is Ranking.CODES
+                and strategy.sketch_candidates is None and self.value_term is None
+                and self.defers())
+
+    def start_planning(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache, *,
+                       recalled_now: bool, scores: LayerScores | None = None) -> RecallOutcome:
+        """Deferred steps 2 and 3 in the background (`RecallStrategy.plan_in_background`):
+        the planner thread scores this step's queries `[L, H_q, d_h]` and r `[L, H_q]` (copies:
+        the capture is the step's) and starts the fetch of what it chose; the step's outcome
+        is PLANNING, and `collect` at the next step reports the plan and merges its rows.
+        Everything the plan reads of the session is fixed here, on the decode thread.
+        `scores`: the step's page scores, computed as its layers attended."""
+        generation, frontier = self._deferred_successor(cache, recalled_now)
+        logits = self._term_logits()
+        future = plan_pool().submit(
+            self._plan_in_background, query.detach().clone(), lse.detach().clone(),
+            list(cache.head_to_owner), cache.scale, logits, scores, self.steps, self.state,
+            generation, frontier,
+        )
+        self._pending = _Pending(RecallOutcome(self.request_id, self.steps,
+                                               RecallStatus.BELOW_THRESHOLD),
+                                 future, self._clock(), planning=True)
+        return RecallOutcome(self.request_id, self.steps, RecallStatus.PLANNING)
+
+    def _plan_in_background(
+        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: list[int], scale: float,
+        logits: CodeLogits | None, scores: LayerScores | None, step: int, state: KVPolicyState,
+        generation: int, frontier: int,
+    ) -> _Planned:
+        """On the planner thread: the plan (reading the live pages, which only `collect`
+        changes, on the decode thread once this is done) and its fetch, started."""
+        page_lse = None if scores is None else scores.page_lse(self.request_id)
+        plan = self._plan(query, lse, head_to_owner, scale, step=step, deferred=True,
+                          logits=logits, page_lse=page_lse)
+        if not plan.pages:
+            return _Planned(plan, None)
+        fetch = self._fetches().submit(self._fetch_in_background, plan.pages, state, generation,
+                                       frontier)
+        return _Planned(plan, fetch)
+
+    def _deferred_successor(self, cache: DecodeCache, recalled_now: bool) -> tuple[int, int]:
+        """The cache generation and frontier of a deferred recall's successor: its rows land
+        before the next step runs, so it describes the cache once that step is in, as a
+        recomputed recall's does (one more token, two generations)."""
+        next_step = cache_generation_after(self.cache_generation, recalled=recalled_now)
+        return (cache_generation_after(next_step, recalled=True),
+                self._frontier_after_step(cache) + 1)
+
+    def _fetches(self) -> concurrent.futures.Executor:
+        return self._executor or fetch_pool()
 
     def collect(self) -> RecallResult:
         """Deferred steps 3 and 4, before the step after `start`: wait for the rows until
@@ -490,12 +577,21 @@ class RecallSession:
         assert pending is not None, "collect() without a deferred recall in flight"
         self._pending = None
         base = replace(pending.outcome, step=self.steps)
-        remaining = max(self.timeout_s - (self._clock() - pending.started), 0.0)
+        future: concurrent.futures.Future[_Fetched] | concurrent.futures.Future[_Planned]
+        future = pending.future
         try:
-            fetched = pending.future.result(timeout=remaining)
+            if pending.planning:  # the plan first (the deadline counts from its start)
+                planned = future.result(timeout=self._remaining(pending))
+                assert isinstance(planned, _Planned)
+                base = replace(planned.plan.outcome, step=self.steps)
+                if planned.fetch is None:
+                    return RecallResult(base)
+                future = planned.fetch
+            fetched = future.result(timeout=self._remaining(pending))
+            assert isinstance(fetched, _Fetched)
             self._publish(fetched.successor)
         except concurrent.futures.TimeoutError:
-            pending.future.cancel()
+            future.cancel()
             late = RecallUnavailable(
                 f"rows not back {self.timeout_s * 1000:.0f} ms after the fetch started "
                 "(the recall deadline)",
@@ -516,6 +612,9 @@ class RecallSession:
             successor=fetched.successor,
         )
         return RecallResult(outcome, fetched.pages)
+
+    def _remaining(self, pending: _Pending) -> float:
+        return max(self.timeout_s - (self._clock() - pending.started), 0.0)
 
     def _fetch_in_background(
         self, refs: tuple[PageRef, ...], state: KVPolicyState, generation: int, frontier: int
@@ -546,25 +645,33 @@ class RecallSession:
         return RecallOutcome(self.request_id, self.steps, status)
 
     def choose(
-        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: Sequence[int], scale: float
+        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: Sequence[int], scale: float,
+        *, deferred: bool | None = None, logits: CodeLogits | None = None,
+        page_lse: torch.Tensor | None = None,
     ) -> RecallChoice:
-        """Pages to recall given one step's queries `[L, H_q, d_h]` and r `[L, H_q]`."""
+        """Pages to recall given one step's queries `[L, H_q, d_h]` and r `[L, H_q]`
+        (`deferred`: the recall is deferred, None: as `defers()` says now; `logits`: the
+        step's code logits when the value term computed them; `page_lse`: the codes ranking's
+        page scores when computed as the step ran, `LayerScores`)."""
         assert self.policy is not None and self.summaries is not None
         strategy = self.strategy
+        deferred = self.defers() if deferred is None else deferred
         if strategy.ranking is Ranking.CODES:
-            return self._choose_by_codes(query, lse, head_to_owner, scale)
+            return self._choose_by_codes(query, lse, head_to_owner, scale, deferred, logits,
+                                         page_lse)
         midpoint = strategy.ranking is Ranking.MIDPOINT
         bound = bound_omitted_mass(
             self.summaries, query, lse, head_to_owner, live=self._live, scale=scale,
             estimate=midpoint,
         )
         policy, cap = self.policy, strategy.deferred_pages
-        if cap is not None and self.defers() and cap < policy.max_pages_per_step:
+        if cap is not None and deferred and cap < policy.max_pages_per_step:
             policy = replace(policy, max_pages_per_step=cap)
         return choose_pages(bound, policy, strategy.ranking, strategy.min_estimate)
 
     def _choose_by_codes(
-        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: Sequence[int], scale: float
+        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: Sequence[int], scale: float,
+        deferred: bool, logits: CodeLogits | None, page_lse: torch.Tensor | None,
     ) -> RecallChoice:
         """The codes ranking: pages by estimated log-odds (`page_code_log_odds`) above the
         strategy's floor, plus their successors. The page bound is computed only for the
@@ -581,16 +688,16 @@ class RecallSession:
             if choice.full_recall:
                 return choice
         cap = policy.max_pages_per_step
-        if strategy.deferred_pages is not None and self.defers():
+        if strategy.deferred_pages is not None and deferred:
             cap = min(cap, strategy.deferred_pages)
-        logits = self._term_logits()
-        if logits is None and strategy.sketch_candidates is not None:
+        if page_lse is None and logits is None and strategy.sketch_candidates is not None:
             odds = sketched_code_log_odds(self.summaries, query, lse, head_to_owner,
                                           strategy.sketch_candidates, live=self._live,
                                           scale=scale, width=strategy.sketch_width)
         else:
             odds = page_code_log_odds(self.summaries, query, lse, head_to_owner,
-                                      live=self._live, scale=scale, logits=logits)
+                                      live=self._live, scale=scale, logits=logits,
+                                      page_lse=page_lse)
         pages = choose_estimated(odds, self._live, cap, strategy.min_estimate,
                                  self.summaries.page_segment, strategy.successor_pages)
         return RecallChoice(pages=pages, triggered=bool(pages.numel()), full_recall=False,
@@ -599,10 +706,19 @@ class RecallSession:
     def plan(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache) -> RecallPlan:
         """Step 2: bound and choose for the step just run, from its captured queries
         `[L, H_q, d_h]` and r `[L, H_q]` (this request's slot)."""
-        choice = self.choose(query, lse, cache.head_to_owner, cache.scale)
+        return self._plan(query, lse, cache.head_to_owner, cache.scale, step=self.steps,
+                          deferred=self.defers(), logits=self._term_logits())
+
+    def _plan(
+        self, query: torch.Tensor, lse: torch.Tensor, head_to_owner: Sequence[int], scale: float,
+        *, step: int, deferred: bool, logits: CodeLogits | None,
+        page_lse: torch.Tensor | None = None,
+    ) -> RecallPlan:
+        choice = self.choose(query, lse, head_to_owner, scale, deferred=deferred, logits=logits,
+                             page_lse=page_lse)
         outcome = RecallOutcome(
             self.request_id,
-            self.steps,
+            step,
             RecallStatus.BELOW_THRESHOLD,
             mass_bound=choice.max_mass_bound,
             full_recall=choice.full_recall,
@@ -799,6 +915,57 @@ class ValueTermSource:
         return CodeLogits(torch.cat([t.logits for t in terms if t is not None]), self._readers)
 
 
+class LayerScores:
+    """One step's codes scoring for the sessions that score alongside it
+    (`RecallSession.scores_alongside`): as each layer's attention is captured (`StepCapture.
+    on_layer`), the planner thread scores that layer's segments of every such session's codes
+    table (`bound.layer_page_lse`), while the decode thread runs the later layers. The
+    sessions' background plans, queued behind the layers, read the scores (`page_lse`)."""
+
+    def __init__(self, sessions: Mapping[str, RecallSession], slots: Mapping[str, int],
+                 cache: DecodeCache) -> None:
+        self._scale = cache.scale
+        self._work = []
+        for request_id, session in sessions.items():
+            assert session.summaries is not None
+            readers = owner_readers(session.summaries, cache.head_to_owner)
+            self._work.append((request_id, session.summaries, slots[request_id], readers))
+        layers = cache.config.num_layers
+        self._pages: dict[str, list[torch.Tensor | None]] = {
+            request_id: [None] * layers for request_id in sessions
+        }
+        self._errors: dict[str, BaseException] = {}
+        self._futures: list[concurrent.futures.Future[None]] = []
+
+    def submit(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
+        """`StepCapture.on_layer`: score `layer` from its queries `[B, H_q, d_h]` and r
+        `[B, H_q]` on the planner thread."""
+        self._futures.append(plan_pool().submit(self._score, layer, query, lse))
+
+    def _score(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
+        for request_id, summaries, slot, readers in self._work:
+            try:
+                self._pages[request_id][layer] = layer_page_lse(
+                    summaries, layer, query[slot], lse[slot], readers, scale=self._scale
+                )
+            except Exception as exc:  # noqa: BLE001 - raised by that session's plan only
+                self._errors[request_id] = exc
+
+    def page_lse(self, request_id: str) -> torch.Tensor:
+        """The session's page scores of every layer `[S, slots / page_size]` (waits for the
+        layers still being scored; on the one planner thread they are already done)."""
+        for future in self._futures:
+            future.result()
+        error = self._errors.get(request_id)
+        if error is not None:
+            raise error
+        parts = self._pages[request_id]
+        missing = [layer for layer, part in enumerate(parts) if part is None]
+        if missing:
+            raise BoundInputInvalid("capture", f"layers {missing} were never captured")
+        return torch.cat([part for part in parts if part is not None])
+
+
 def decode_with_recall(
     model: CausalLM,
     cache: DecodeCache,
@@ -826,7 +993,9 @@ def decode_with_recall(
     }
     for request_id, session in sessions.items():
         session.prepare_term(cache, fresh=request_id in due)
-    capture = StepCapture() if due else None
+    alongside = {rid: s for rid, s in due.items() if s.scores_alongside()}
+    scores = LayerScores(alongside, slots, cache) if alongside else None
+    capture = StepCapture(on_layer=None if scores is None else scores.submit) if due else None
     logits = decode_step(model, cache, tokens, capture)
     for rid, s in sessions.items():
         if rid not in due and rid not in outcomes:
@@ -835,12 +1004,17 @@ def decode_with_recall(
     for request_id, session in due.items():
         assert capture is not None
         slot = slots[request_id]
-        plan = session.plan(capture.query(slot), capture.log_sum_exp(slot), cache)
+        query, lse = capture.query(slot), capture.log_sum_exp(slot)
         collected = outcomes.get(request_id)
+        recalled_now = collected is not None and collected.recalled
+        if session.defers() and session.strategy.plan_in_background:
+            started = session.start_planning(query, lse, cache, recalled_now=recalled_now,
+                                             scores=scores if request_id in alongside else None)
+            outcomes[request_id] = _combine(collected, started)
+            continue
+        plan = session.plan(query, lse, cache)
         if session.defers():
-            started = session.start(
-                plan, cache, recalled_now=collected is not None and collected.recalled
-            )
+            started = session.start(plan, cache, recalled_now=recalled_now)
             outcomes[request_id] = _combine(collected, started)
             continue
         result = session.recall(plan, cache)
@@ -866,6 +1040,8 @@ def _combine(collected: RecallOutcome | None, planned: RecallOutcome) -> RecallO
     the collected one (that is what changed the cache), naming the pages now in flight."""
     if collected is None:
         return planned
+    if planned.status is RecallStatus.PLANNING:  # nothing known of the new plan yet
+        return collected
     return replace(collected, fetching=planned.fetching, mass_bound=planned.mass_bound)
 
 

@@ -15,7 +15,9 @@ from services.offload.bound import (
     candidate_code_log_odds,
     choose_estimated,
     code_logits,
+    layer_page_lse,
     omitted_value_term,
+    owner_readers,
     page_code_log_odds,
     sketch_page_scores,
     sketched_code_log_odds,
@@ -225,6 +227,31 @@ def test_candidates_get_the_full_scorings_log_odds_and_the_rest_minus_inf(
     with pytest.raises(BoundInputInvalid) as error:
         sketched_code_log_odds(pages, query, lse, head_to_owner, 0)
     assert error.value.field == "candidates"
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("seed", [12, 13])
+def test_layers_scored_one_by_one_give_the_whole_tables_log_odds_to_the_bit(
+        seed: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`layer_page_lse` (what the planner thread computes as each layer attends) over every
+    layer is the whole table's scoring, so a plan built from it chooses the same pages."""
+    _without_kernel(monkeypatch, kernel)
+    pages, query, lse, live = _scoring_case(seed)
+    head_to_owner, scale = [0, 1, 1, 0], 0.25
+    readers = owner_readers(pages, head_to_owner)
+    parts = [layer_page_lse(pages, layer, query[layer], lse[layer], readers, scale=scale)
+             for layer in range(pages.num_layers)]
+    assert all(part.shape[0] == pages.num_owners for part in parts)
+    whole = page_code_log_odds(pages, query, lse, head_to_owner, live=live, scale=scale)
+    by_layer = page_code_log_odds(pages, query, lse, head_to_owner, live=live, scale=scale,
+                                  page_lse=torch.cat(parts))
+    assert torch.equal(by_layer, whole)
+    with pytest.raises(BoundInputInvalid) as error:
+        page_code_log_odds(pages, query, lse, head_to_owner, page_lse=torch.cat(parts[1:]))
+    assert error.value.field == "page_lse"
+    with pytest.raises(BoundInputInvalid) as error:
+        layer_page_lse(pages, pages.num_layers, query[0], lse[0], readers)
+    assert error.value.field == "layer"
 
 
 def test_choose_estimated_ranks_floors_caps_and_adds_successors() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -97,3 +99,34 @@ def test_a_block_holds_whole_pages() -> None:
         block = codes_kernel.block_for(page)
         assert block % page == 0 and block >= page
     assert codes_kernel.block_for(8) == codes_kernel.BLOCK_SLOTS
+
+
+def test_the_kernel_lets_other_python_threads_run_while_it_scores() -> None:
+    """A recall plan scores on the planner thread beside the decode loop: the kernel must not
+    hold the interpreter lock while it reads the table."""
+    if not codes_kernel.available():
+        pytest.skip("no C++ compiler: torch scores (and releases the lock itself)")
+    table, query, lse, bias = _case(0, 64, 3, 64, 4096, 8)
+    blocked = codes_kernel.to_blocks(table, 128)
+    codes_kernel.block_page_lse(query, lse, blocked, bias, 64, 128, 8)  # warm
+    ticks, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        time.sleep(0.01)
+        calls, during = 0, 0
+        deadline = time.perf_counter() + 2.0
+        while calls < 20 and time.perf_counter() < deadline:  # bounded in count and time
+            before = ticks[0]
+            codes_kernel.block_page_lse(query, lse, blocked, bias, 64, 128, 8)
+            during += ticks[0] - before
+            calls += 1
+    finally:
+        stop.set()
+        counter.join(timeout=5.0)
+    assert during > 1000 * calls / 20, f"{during} ticks over {calls} kernel calls"

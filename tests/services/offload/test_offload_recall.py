@@ -25,6 +25,7 @@ from services.model import DecodeCache, PrefillOptions, PrefillResult, decode_st
 from services.model.config import make_tensor_contract, parse_model_config
 from services.model.kvcache import StepCapture
 from services.model.model import CausalLM
+from services.offload import recall as recall_engine
 from services.offload.bound import Ranking, code_logits, omitted_value_term, page_midpoint_logits
 from services.offload.errors import BoundInputInvalid, RecallFailed, RecallUnavailable
 from services.offload.pages import (
@@ -44,6 +45,7 @@ from services.offload.recall import (
     cache_generation_after,
     decode_with_recall,
     merge_into_cache,
+    plan_pool,
     with_recall,
 )
 from services.offload.store import OffloadStore, OffloadStoreConfig, StoreKey
@@ -812,6 +814,86 @@ def test_deferred_fetches_of_a_batch_run_side_by_side(model: CausalLM) -> None:
     decode_step(model, alone, [two.first_token])
     expected = decode_step(model, alone, [two.first_token])[0]
     torch.testing.assert_close(step.logits[2], expected, atol=ATOL, rtol=0)
+
+
+CODES_INLINE = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, successor_pages=1)
+CODES_KNOBS = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=3, cadence_steps=1,
+                          code_bits=2)
+
+
+def test_plans_made_beside_the_step_recall_what_the_decode_thread_would(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scored layer by layer on the planner thread as the step runs, chosen and fetched there:
+    the same pages land before the same steps, so every step's logits are the same to the bit;
+    only the step that asked reports PLANNING instead of FETCHING with its pages."""
+    compressed = compress(model, CODES_KNOBS, seed=3)
+    scored_on: list[str] = []
+    scorer = recall_engine.layer_page_lse
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        scored_on.append(threading.current_thread().name)
+        return scorer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recall_engine, "layer_page_lse", recording)
+    runs = {}
+    for background in (False, True):
+        strategy = replace(CODES_INLINE, plan_in_background=background)
+        session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+        cache = view_cache(model, compressed, page_rows=2)
+        token, steps = compressed.first_token, []
+        for _ in range(STEPS):
+            step = decode_with_recall(model, cache, [token], {"req": session})
+            steps.append((step.logits[0], step.outcomes["req"]))
+            token = int(step.logits[0].argmax())
+        runs[background] = steps
+    inline, beside = runs[False], runs[True]
+    for index, ((want, asked), (got, outcome)) in enumerate(zip(inline, beside, strict=True)):
+        assert torch.equal(got, want)
+        if index == 0:  # the cue step recomputes on the decode thread in both
+            assert outcome.status is asked.status is RecallStatus.RECALLED
+        elif index == 1:
+            assert asked.status is RecallStatus.FETCHING and asked.fetching
+            assert outcome.status is RecallStatus.PLANNING and not outcome.fetching
+        else:
+            assert outcome.status is asked.status is RecallStatus.RECALLED
+            assert outcome.pages == asked.pages == inline[index - 1][1].fetching
+            assert outcome.rows == asked.rows and outcome.successor == asked.successor
+    layers = model.config.num_layers
+    assert len(scored_on) == layers * (STEPS - 1)  # every deferred step, layer by layer
+    assert all(name.startswith("recall-plan") for name in scored_on)
+
+
+@pytest.mark.parametrize("fallback", list(TimeoutFallback))
+def test_a_plan_not_done_by_the_deadline_takes_the_fallback(
+    model: CausalLM, fallback: TimeoutFallback
+) -> None:
+    """The recall deadline counts from the plan's start: a planner thread that is late (here,
+    taken by other work) makes the rows unavailable, never a stalled step."""
+    knobs = replace(CODES_KNOBS, timeout_ms=50, fallback=fallback)
+    compressed = compress(model, knobs, seed=3)
+    strategy = replace(CODES_INLINE, recompute_steps=0, plan_in_background=True)
+    session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+    cache = view_cache(model, compressed, page_rows=2)
+    gate = threading.Event()
+    busy = plan_pool().submit(gate.wait, 10.0)  # the plan queues behind this
+    try:
+        first = decode_with_recall(model, cache, [compressed.first_token], {"req": session})
+        assert first.outcomes["req"].status is RecallStatus.PLANNING and session.pending
+        token = int(first.logits[0].argmax())
+        second = decode_with_recall(model, cache, [token], {"req": session})
+    finally:
+        gate.set()
+        busy.result(timeout=10.0)
+    outcome = second.outcomes["req"]
+    expected = (RecallStatus.CONTINUED_LOSSY if fallback is TimeoutFallback.CONTINUE_LOSSY
+                else RecallStatus.FAILED)
+    assert outcome.status is expected and outcome.timed_out
+    assert "recall deadline" in (outcome.reason or "")
+    assert session.live_pages == compressed.summaries.num_pages  # nothing merged
+    lossy = greedy(model, view_cache(model, compressed, page_rows=2), compressed.first_token,
+                   steps=2)
+    assert torch.equal(second.logits[0], lossy[1])
 
 
 def test_recompute_steps_then_deferred_and_the_deferred_page_cap(model: CausalLM) -> None:
