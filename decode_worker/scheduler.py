@@ -543,8 +543,9 @@ class DecodeScheduler:
 
     def _account_recall(self, running: _Running, outcome: RecallOutcome) -> None:
         """Metrics, the `kv.recall` span, and the request's recall totals and fallbacks."""
-        if not outcome.pages:
-            return  # evaluated, below the threshold: nothing was fetched
+        if not outcome.pages and not (outcome.fell_back or outcome.status is RecallStatus.FAILED):
+            return  # evaluated, below the threshold, or planning in the background: no fetch
+        # (a plan not done by the deadline falls back without pages: it is still counted)
         kind = recall_kind(outcome)
         metrics.RECALLS.labels(kind).inc()
         metrics.RECALL_SECONDS.observe(outcome.latency_s)

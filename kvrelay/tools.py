@@ -68,7 +68,7 @@ def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress:
 @eval_app.command("recall")
 def eval_recall(
     checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
-    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts), shared-cpu-8k (8K, single needle x 2 prompts, batch 2) or scoring (4K, 2 tasks x 4 prompts, the codes ranking with and without the page sketch)."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts), shared-cpu-8k (8K, single needle x 2 prompts, batch 2) scoring (4K, 2 tasks x 4 prompts, the codes ranking with and without the page sketch), values-ahead (4K, 3 tasks x 4 prompts) or values-ahead-8k (8K, single needle x 3 prompts, batch 3): the omitted-value term computed by the step that reads it and computed ahead."),
     prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
     out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
     threads: int = typer.Option(1, help="torch CPU threads."),
@@ -457,6 +457,44 @@ def bench_recall(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(answers_json(answers), indent=1) + "\n")
     _write_report(out, report, lambda png: write_plot(config, answers, png), "answers right and TPOT per policy")
+
+
+@bench_app.command("recall-tpot")
+def bench_recall_tpot(
+    checkpoint: Path | None = typer.Option(None, help=f"Checkpoint: a .gguf file or an HF directory ({DEFAULT_MODEL_HELP})."),
+    task: str = typer.Option("niah_single", help="niah_single, niah_multikey or niah_multivalue (the RULER-style tasks of `eval recall --suite ruler`)."),
+    length: int = typer.Option(4096, help="Context tokens."),
+    budget: float = typer.Option(0.10, help="SnapKV budget, a share of the context rows."),
+    batch: int = typer.Option(8, help="Requests decoded together (the prompts repeated to fill it)."),
+    rounds: int = typer.Option(4, help="Paired rounds (the irrecoverable batch and every variant's, back to back)."),
+    variants: str = typer.Option("codes,values-ahead,values", help="Comma-separated recall variants: codes, codes-sketch, values, values-ahead, deferred."),
+    tune: bool = typer.Option(False, "--tune", help="The tuning prompts instead of the reported ones."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    out: Path | None = typer.Option(None, help="Markdown summary (a PNG beside it); default docs/results/recall-smollm2/tpot/<task>-<length>-<budget>-b<batch>.md."),
+) -> None:
+    """Decode time with recall against irrecoverable SnapKV, in paired rounds in one process: per-round ratios and their median."""
+    import sys
+
+    from services.benchmark.host import HostLoad
+    from services.evaluation import recall_ruler
+    from services.evaluation.recall_tpot import TpotConfig, run, task_index, write_plot
+    from services.evaluation.ruler_suite import REPORT_SEED, TUNE_SEED
+
+    known = {v.name: v for v in (recall_ruler.CODES, recall_ruler.CODES_SKETCH, recall_ruler.VALUES,
+                                 recall_ruler.VALUES_AHEAD, recall_ruler.DEFERRED)}
+    try:
+        chosen = tuple(known[name.strip()] for name in variants.split(","))
+    except KeyError as exc:
+        raise typer.BadParameter(f"unknown variant {exc}; one of {', '.join(known)}", param_hint="--variants") from None
+    try:
+        config = TpotConfig(task=task_index(task), length=length, budget=budget, batch=batch, rounds=rounds,
+                            variants=chosen, seed=TUNE_SEED if tune else REPORT_SEED)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    target = out or Path("docs/results/recall-smollm2/tpot") / f"{task}-{length}-{round(budget * 100)}-b{batch}.md"
+    report, result = run(served_checkpoint(checkpoint), config, target, "kvrelay " + " ".join(sys.argv[1:]),
+                         HostLoad.start(), threads)
+    _write_report(target, report, lambda png: write_plot(result, png), "wall ms per step against irrecoverable, per round")
 
 
 @bench_app.command("compress")

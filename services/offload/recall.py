@@ -88,6 +88,7 @@ from services.kvpolicy.state import KVPolicyState
 from services.model.kvcache import DecodeCache, StepCapture
 from services.model.model import CausalLM
 from services.model.runtime import decode_step
+from services.offload import codes_kernel
 from services.offload.bound import (
     SKETCH_WIDTH,
     CodeLogits,
@@ -263,6 +264,12 @@ class RecallStrategy:
     # as when planned on the decode thread (False: FETCHING), so the answers are the same;
     # the decode loop waits only for whatever is not done when the next step begins.
     plan_in_background: bool = False
+    # The omitted-value term at deferred steps: computed on the planner thread from an
+    # evaluated step's queries as its layers attend (`ValueTermSource.ahead`), and read by the
+    # steps after it instead of being computed on the decode thread by the step that reads it
+    # (one or two steps old at cadence 2, against none or one); that step's plan reads the
+    # code logits it computed. Needs `plan_in_background`.
+    term_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.min_estimate is not None and self.ranking is Ranking.BOUND:
@@ -275,6 +282,8 @@ class RecallStrategy:
             raise BoundInputInvalid(
                 "recompute_steps", f"must be >= 0 or None, got {self.recompute_steps}"
             )
+        if self.term_ahead and not self.plan_in_background:
+            raise BoundInputInvalid("term_ahead", "needs plan_in_background (the planner thread)")
         if self.term_refresh_steps < 1:
             raise BoundInputInvalid(
                 "term_refresh_steps", f"must be positive, got {self.term_refresh_steps}"
@@ -330,6 +339,13 @@ SKETCH_STRATEGY = replace(CODES_STRATEGY, sketch_candidates=SKETCH_CANDIDATES)
 # (3 of 3 at 10%, where the codes alone answer 2) at 1.8-2.0x the irrecoverable TPOT against
 # 1.6-1.8x (tuning.md, "The omitted-value term, served").
 VALUES_STRATEGY = replace(CODES_STRATEGY, term_refresh_steps=2)
+# The same, with the term of the deferred steps computed on the planner thread beside the
+# evaluated steps and read by the steps after them (`RecallStrategy.term_ahead`). Not served:
+# on the 8K tuning prompts it answered 2 of 3 at 10% and 25% where `VALUES_STRATEGY` answers 3
+# (the term two steps old at the first evaluated step after the cue lost a digit), and at 4K,
+# batch 8, one planner thread computing every due request's 30 layer terms costs 1.54-2.08x
+# the irrecoverable TPOT against 1.71-2.47x (tuning.md, "Recall beside the decode loop").
+VALUES_AHEAD_STRATEGY = replace(VALUES_STRATEGY, term_ahead=True)
 # What the decode worker runs (`decode_worker.recall`): see docs/results/recall-smollm2.
 WORKER_STRATEGY = DEFERRED_AFTER_FIRST
 
@@ -518,8 +534,8 @@ class RecallSession:
         background, scoring every row, without the value term's logits to read instead."""
         strategy = self.strategy
         return (strategy.plan_in_background and strategy.ranking is Ranking.CODES
-                and strategy.sketch_candidates is None and self.value_term is None
-                and self.defers())
+                and strategy.sketch_candidates is None
+                and (self.value_term is None or strategy.term_ahead) and self.defers())
 
     def start_planning(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache, *,
                        recalled_now: bool, scores: LayerScores | None = None) -> RecallOutcome:
@@ -742,7 +758,11 @@ class RecallSession:
         if not cache.has_omitted_term(self.request_id):
             term.bind(cache.head_to_owner, cache.scale)
             cache.set_omitted_term(self.request_id, term)
-        term.begin_step(fresh=fresh or self.steps % self.strategy.term_refresh_steps == 0)
+        strategy = self.strategy
+        if strategy.term_ahead and self.defers():  # the planner computed it, never this thread
+            term.begin_step(fresh=False, take_ahead=True)
+            return
+        term.begin_step(fresh=fresh or self.steps % strategy.term_refresh_steps == 0)
 
     def _term_logits(self) -> CodeLogits | None:
         """This step's code logits, if the value term computed them as the step's layers
@@ -876,15 +896,36 @@ class ValueTermSource:
         self._live_count = -1  # live pages when `_bias` and `_grid` were built
         self._bias: torch.Tensor | None = None  # `live_bias` of the live pages
         self._grid: torch.Tensor | None = None  # `live_grid` of the live pages
+        self._ahead: AheadTerms | None = None  # computed beside the last evaluated step
 
     def bind(self, head_to_owner: Sequence[int], scale: float) -> None:
         """The cache's query-head layout and attention scale."""
         self._readers = owner_readers(self.summaries, head_to_owner)
         self._scale = scale
 
-    def begin_step(self, *, fresh: bool) -> None:
+    def begin_step(self, *, fresh: bool, take_ahead: bool = False) -> None:
+        """Before a step: compute every layer's term afresh (`fresh`) or reuse the last one;
+        `take_ahead`: the terms computed beside the last evaluated step become the last ones
+        when every layer of them is done (else they are dropped, never half taken)."""
         self._fresh = fresh
         self._fresh_layers = set()
+        ahead, self._ahead = self._ahead, None
+        if take_ahead and ahead is not None and ahead.complete():
+            for layer, term in enumerate(ahead.terms):
+                self._terms[layer], self._term_live[layer] = term, ahead.live
+
+    def ahead(self) -> AheadTerms:
+        """On the decode thread, before an evaluated step whose term is computed beside it:
+        what the planner thread computes each layer's term with (the live pages now)."""
+        assert self._readers is not None, "bind() first"
+        live = int(self._live.sum())
+        if live != self._live_count or self._bias is None:
+            self._bias = live_bias(self.summaries, self._live)
+            self._grid = live_grid(self.summaries, self._live)
+            self._live_count = live
+        batch = AheadTerms(self.summaries, self._readers, self._bias, self._scale, live)
+        self._ahead = batch
+        return batch
 
     def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         live = int(self._live.sum())
@@ -929,7 +970,9 @@ class LayerScores:
         for request_id, session in sessions.items():
             assert session.summaries is not None
             readers = owner_readers(session.summaries, cache.head_to_owner)
-            self._work.append((request_id, session.summaries, slots[request_id], readers))
+            term = session.value_term
+            ahead = None if term is None else term.ahead()
+            self._work.append((request_id, session.summaries, slots[request_id], readers, ahead))
         layers = cache.config.num_layers
         self._pages: dict[str, list[torch.Tensor | None]] = {
             request_id: [None] * layers for request_id in sessions
@@ -943,8 +986,11 @@ class LayerScores:
         self._futures.append(plan_pool().submit(self._score, layer, query, lse))
 
     def _score(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
-        for request_id, summaries, slot, readers in self._work:
+        for request_id, summaries, slot, readers, ahead in self._work:
             try:
+                if ahead is not None:
+                    self._pages[request_id][layer] = ahead.layer(layer, query[slot], lse[slot])
+                    continue
                 self._pages[request_id][layer] = layer_page_lse(
                     summaries, layer, query[slot], lse[slot], readers, scale=self._scale
                 )
@@ -964,6 +1010,34 @@ class LayerScores:
         if missing:
             raise BoundInputInvalid("capture", f"layers {missing} were never captured")
         return torch.cat([part for part in parts if part is not None])
+
+
+class AheadTerms:
+    """One request's omitted-value terms computed on the planner thread from one evaluated
+    step's queries, layer by layer as the step attends (`LayerScores`), for the steps after it
+    (`RecallStrategy.term_ahead`); the layers' page scores for that step's plan come from the
+    same code logits."""
+
+    def __init__(self, summaries: PageSummaries, readers: torch.Tensor, bias: torch.Tensor,
+                 scale: float, live: int) -> None:
+        self.summaries, self.readers, self.bias, self.scale = summaries, readers, bias, scale
+        self.live = live  # live pages the terms count
+        self.terms: list[LayerTerm | None] = [None] * summaries.num_layers
+
+    def complete(self) -> bool:
+        return all(term is not None for term in self.terms)
+
+    def layer(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """On the planner thread: layer l's term from its queries `[H_q, d_h]`, kept, and the
+        layer's page scores (`bound.layer_page_lse`, from the term's logits: the same values
+        to the bit).  # [H_owner, slots / page_size] float32"""
+        summaries = self.summaries
+        term = layer_value_term(summaries, layer, query, self.readers, self.bias, self.scale)
+        self.terms[layer] = term
+        table, readers = summaries.code_table, self.readers
+        r = lse.detach().double().cpu()[readers].float()  # [H_owner, G]
+        return codes_kernel.page_lse_of(term.logits, r, table.slot_bias[term.segments],
+                                        table.block, summaries.page_size)
 
 
 def decode_with_recall(

@@ -26,7 +26,14 @@ from services.model.config import make_tensor_contract, parse_model_config
 from services.model.kvcache import StepCapture
 from services.model.model import CausalLM
 from services.offload import recall as recall_engine
-from services.offload.bound import Ranking, code_logits, omitted_value_term, page_midpoint_logits
+from services.offload.bound import (
+    Ranking,
+    code_logits,
+    live_bias,
+    omitted_value_term,
+    owner_readers,
+    page_midpoint_logits,
+)
 from services.offload.errors import BoundInputInvalid, RecallFailed, RecallUnavailable
 from services.offload.pages import (
     OmittedRows,
@@ -1080,3 +1087,55 @@ def test_recalled_values_that_do_not_average_to_the_page_mean_are_never_merged(
     step = session.decode_step(model, view_cache(model, compressed), compressed.first_token)
     assert step.outcomes["req"].status is RecallStatus.CONTINUED_LOSSY
     assert "average" in (step.outcomes["req"].reason or "")
+
+
+def test_terms_computed_ahead_serve_the_next_step_and_come_from_the_planner_thread(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`term_ahead`: at every deferred step each layer's term is the one the planner thread
+    computed from the previous evaluated step's query of that layer (every step here, and
+    nothing recalled), and the decode thread computes none after the cue step."""
+    knobs = replace(VALUES, cadence_steps=1)
+    compressed = compress(model, knobs, seed=1)
+    strategy = RecallStrategy(recompute_steps=1, ranking=Ranking.CODES, min_estimate=1e9,
+                              plan_in_background=True, term_ahead=True)
+    session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+    computed_on: list[tuple[int, str]] = []
+    compute = recall_engine.layer_value_term
+    steps: list[int] = [0]
+
+    def recording(*args: object, **kwargs: object) -> object:
+        computed_on.append((steps[0], threading.current_thread().name))
+        return compute(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recall_engine, "layer_value_term", recording)
+    seen: dict[tuple[int, int], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]] = {}
+    answer = recall_engine.ValueTermSource.__call__
+
+    def asked(self: recall_engine.ValueTermSource, layer: int, query: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        part = answer(self, layer, query)
+        seen[steps[0], layer] = (query.clone(), part)
+        return part
+
+    monkeypatch.setattr(recall_engine.ValueTermSource, "__call__", asked)
+    cache = view_cache(model, compressed)
+    token = compressed.first_token
+    for index in range(STEPS):
+        steps[0] = index
+        step = decode_with_recall(model, cache, [token], {"req": session})
+        assert not step.outcomes["req"].recalled or index == 0
+        token = int(step.logits[0].argmax())
+    assert session.live_pages == compressed.summaries.num_pages  # the floor recalls nothing
+    assert {name for step, name in computed_on if step > 0} == {"recall-plan_0"}
+    summaries, term = compressed.summaries, session.value_term
+    assert term is not None
+    readers = owner_readers(summaries, cache.head_to_owner)
+    bias = live_bias(summaries, torch.ones(summaries.num_pages, dtype=torch.bool))
+    for index in range(2, STEPS):  # step 1 reads the cue step's own terms
+        for layer in range(model.config.num_layers):
+            query, _ = seen[index - 1, layer]
+            part = seen[index, layer][1]
+            want = compute(summaries, layer, query, readers, bias, cache.scale)
+            assert part is not None
+            assert torch.equal(part[0], want.log_mass) and torch.equal(part[1], want.value)
