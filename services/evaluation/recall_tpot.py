@@ -50,7 +50,7 @@ class TpotConfig:
     budget: float = 0.10
     batch: int = 8
     rounds: int = 4
-    prompts: int = 4  # distinct prompts, repeated to fill the batch
+    prompts: int = 4  # distinct prompts (at most the batch), repeated to fill the batch
     variants: tuple[RecallVariant, ...] = (CODES, VALUES_AHEAD, VALUES)
     seed: int = REPORT_SEED
     filler_tokens: int = ruler.DEFAULT_FILLER_TOKENS
@@ -107,7 +107,8 @@ def measure(checkpoint: Path, config: TpotConfig, threads: int | None = 1) -> Tp
                                      seed=config.seed, filler_tokens=config.filler_tokens)
     runner = RecallRulerRunner(loaded, ruler_config)
     tokenizer = loaded.require_tokenizer()
-    prompts = [ruler.build_prompt(tokenizer, s) for s in ruler_config.specs(task, config.length)]
+    specs = ruler_config.specs(task, config.length)[: config.batch]  # more would never decode
+    prompts = [ruler.build_prompt(tokenizer, s) for s in specs]
     manifests = runner.manifests(config.length)
     shared = [forward_for(loaded, manifests[BASELINE, config.budget], list(p.prefix),
                           chunk_size=512) for p in prompts]
@@ -144,7 +145,7 @@ def render(result: TpotResult, command: str, host: str, seconds: float) -> str:
         f"# Recall TPOT in paired rounds: {task_name(config.task)} at {config.length}, "
         f"{config.budget:.0%}, batch {config.batch}",
         "",
-        f"`{command}`: {config.prompts} {seeds}, repeated to fill the batch; {config.rounds} "
+        f"`{command}`: {min(config.prompts, config.batch)} {seeds}, repeated to fill the batch; {config.rounds} "
         f"rounds, each decoding the irrecoverable batch and every variant's back to back (the "
         f"order reversed every other round); {torch.get_num_threads()} torch thread(s); {host}; "
         f"{seconds:.0f} s. Wall: ms per answer step with the whole batch decoding (the TPOT a "
@@ -182,6 +183,7 @@ def write_plot(result: TpotResult, path: Path) -> Path:
     for policy in result.policies[1:]:
         axes.plot(rounds, result.ratios(policy), marker="o", label=policy)
     axes.axhline(1.3, color="grey", linestyle="--", label="goal 1.3x")
+    axes.set_xticks(list(rounds))
     axes.set_xlabel("round")
     axes.set_ylabel("wall ms per step / irrecoverable")
     config = result.config
