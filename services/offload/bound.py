@@ -423,18 +423,24 @@ def layer_page_lse(
     readers: torch.Tensor,
     *,
     scale: float | None = None,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`page_code_log_odds`' page log-sum-exps of one layer's owner segments, from that
     layer's queries `[H_q, d_h]` and r `[H_q]` alone (`readers`: `owner_readers`), equal to the
     whole table's to the bit (the kernel scores segments independently): a layer is scored as
-    soon as its attention is in, while the later layers of the step still run.
+    soon as its attention is in, while the later layers of the step still run. `logits`: the
+    layer's code logits `[H_owner, G, slots]` when already computed (`LayerTerm.logits`), read
+    instead of the table (the same values to the bit).
     # [H_owner, slots / page_size] float32"""
     if not 0 <= layer < summaries.num_layers:
         raise BoundInputInvalid("layer", f"must be in [0, {summaries.num_layers}), got {layer}")
     owners, table = summaries.num_owners, summaries.code_table
-    q = query.detach().float().cpu() * _scale(scale, summaries.head_dim)  # [H_q, d_h]
     r = retained_lse.detach().double().cpu()[readers].float()  # [H_owner, G]
     rows = slice(layer * owners, (layer + 1) * owners)
+    if logits is not None:
+        return codes_kernel.page_lse_of(logits, r, table.slot_bias[rows], table.block,
+                                        summaries.page_size)
+    q = query.detach().float().cpu() * _scale(scale, summaries.head_dim)  # [H_q, d_h]
     return codes_kernel.block_page_lse(q[readers], r, table.estimates[rows],
                                        table.slot_bias[rows], summaries.head_dim, table.block,
                                        summaries.page_size)

@@ -88,7 +88,6 @@ from services.kvpolicy.state import KVPolicyState
 from services.model.kvcache import DecodeCache, StepCapture
 from services.model.model import CausalLM
 from services.model.runtime import decode_step
-from services.offload import codes_kernel
 from services.offload.bound import (
     SKETCH_WIDTH,
     CodeLogits,
@@ -360,34 +359,31 @@ def worker_strategy(summaries: PageSummaries | None) -> RecallStrategy:
         return CODES_STRATEGY
     return WORKER_STRATEGY
 _POOL_LOCK = threading.Lock()
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def _shared_pool(name: str, workers: int) -> concurrent.futures.Executor:
+    """The process's pool of threads named `name` (created on first use)."""
+    with _POOL_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix=name)
+        return pool
 
 
 def fetch_pool() -> concurrent.futures.Executor:
-    """The process's shared fetch threads (deferred recalls of every session; created on
-    first use). Fetches of the requests of one batch run side by side on it."""
-    with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(
-                concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="recall")
-            )
-        return _POOL[0]
+    """The process's shared fetch threads (deferred recalls of every session). Fetches of the
+    requests of one batch run side by side on it."""
+    return _shared_pool("recall", 8)
 
 
 def plan_pool() -> concurrent.futures.Executor:
     """The process's planner thread (deferred recalls planned in the background,
-    `RecallStrategy.plan_in_background`; created on first use). One thread: the plans of a
-    batch queue behind each other on the core the decode loop's torch threads leave, rather
-    than take cores from the step they run beside."""
-    with _POOL_LOCK:
-        if len(_POOL) < 2:
-            if not _POOL:
-                _POOL.append(concurrent.futures.ThreadPoolExecutor(
-                    max_workers=8, thread_name_prefix="recall"))
-            _POOL.append(
-                concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-plan")
-            )
-        return _POOL[1]
+    `RecallStrategy.plan_in_background`). One thread: the plans of a batch queue behind each
+    other on the core the decode loop's torch threads leave, rather than take cores from the
+    step they run beside."""
+    return _shared_pool("recall-plan", 1)
 
 
 @dataclass(frozen=True)
@@ -1034,10 +1030,8 @@ class AheadTerms:
         summaries = self.summaries
         term = layer_value_term(summaries, layer, query, self.readers, self.bias, self.scale)
         self.terms[layer] = term
-        table, readers = summaries.code_table, self.readers
-        r = lse.detach().double().cpu()[readers].float()  # [H_owner, G]
-        return codes_kernel.page_lse_of(term.logits, r, table.slot_bias[term.segments],
-                                        table.block, summaries.page_size)
+        return layer_page_lse(summaries, layer, query, lse, self.readers, scale=self.scale,
+                              logits=term.logits)
 
 
 def decode_with_recall(

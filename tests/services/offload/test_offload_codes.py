@@ -242,6 +242,13 @@ def test_layers_scored_one_by_one_give_the_whole_tables_log_odds_to_the_bit(
     parts = [layer_page_lse(pages, layer, query[layer], lse[layer], readers, scale=scale)
              for layer in range(pages.num_layers)]
     assert all(part.shape[0] == pages.num_owners for part in parts)
+    # From the layer's code logits already computed (what the value term computed ahead
+    # hands its plan): the same scores.
+    logits, owners = code_logits(pages, query, head_to_owner, scale=scale).logits, pages.num_owners
+    for layer, part in enumerate(parts):
+        from_logits = layer_page_lse(pages, layer, query[layer], lse[layer], readers,
+                                     logits=logits[layer * owners:(layer + 1) * owners])
+        assert torch.equal(from_logits, part)
     whole = page_code_log_odds(pages, query, lse, head_to_owner, live=live, scale=scale)
     by_layer = page_code_log_odds(pages, query, lse, head_to_owner, live=live, scale=scale,
                                   page_lse=torch.cat(parts))
