@@ -271,7 +271,12 @@ class PagedPlan:
     into `grid` `[Nb * k]` (k = `block_pages` per block) at `slot`; a block's segment is
     `block_seg` `[Nb]`. `whole`: every segment is exactly one run, so each softmax is
     complete in one chain and nothing is gathered or merged (the common case: the pool places
-    an owner's pages consecutively)."""
+    an owner's pages consecutively).
+
+    A padded plan (`paged_plan`'s `pad_pages`) also has `first` `[S]`, each segment's first
+    pool page, and `capacity` `[S]`, the pages its chain may read from there (rows past the
+    segment's length are masked): it stays right while the pages change within them (`holds`),
+    so decode growth and a recall's rows landing in place do not rebuild it."""
 
     used: torch.Tensor
     pages: torch.Tensor
@@ -284,9 +289,35 @@ class PagedPlan:
     block_seg: torch.Tensor
     block_pages: int
     whole: bool
+    first: torch.Tensor | None = None
+    capacity: torch.Tensor | None = None
 
     def matches(self, used: torch.Tensor) -> bool:
         return self.used.shape == used.shape and bool(torch.equal(self.used, used))
+
+    def holds(self, page_table: torch.Tensor, used: torch.Tensor) -> bool:
+        """Whether this padded plan reads every row of page_table `[B, H, W]` with `used`
+        `[B * H]` pages: each segment's pages are still `first`, `first + 1`, .. and no more
+        than its `capacity` (a plan without them holds only for the pages it was built on)."""
+        if self.first is None or self.capacity is None or self.used.shape != used.shape:
+            return False
+        if bool((used > self.capacity).any()):
+            return False
+        width = page_table.shape[-1]
+        column = torch.arange(width, device=page_table.device)
+        expected = self.first[:, None] + column  # [S, W]
+        held = column < used[:, None]
+        return bool(((page_table.reshape(used.numel(), width) == expected) | ~held).all())
+
+    def padding(self) -> torch.Tensor:
+        """The pool pages this padded plan may read past each segment's used pages  # [n]"""
+        if self.first is None or self.capacity is None:
+            return torch.zeros(0, dtype=torch.long, device=self.used.device)
+        extra = self.capacity - self.used  # [S]
+        seg = torch.repeat_interleave(torch.arange(extra.numel(), device=extra.device), extra)
+        start = (self.first + self.used)[seg]
+        return start + torch.arange(seg.numel(), device=extra.device) - (
+            torch.cumsum(extra, 0) - extra)[seg]
 
 
 def pages_used(lengths: torch.Tensor, page_rows: int) -> torch.Tensor:
@@ -300,11 +331,20 @@ WHOLE_CHAINS = 8
 
 
 def paged_plan(page_table: torch.Tensor, used: torch.Tensor, block_pages: int = 4,
-               run_pages: int = 32, page_rows: int = 1) -> PagedPlan:
+               run_pages: int = 32, page_rows: int = 1, pad_pages: int = 0,
+               pool_pages: int | None = None) -> PagedPlan:
     """The plan of `paged_decode_attention` for page_table `[B, H, W]` and `used` `[B * H]`
     (`page_rows`: rows per page, for the chains' row offsets). A run of at least `run_pages`
     consecutive pool pages of one owner is read in place; so is every run when each segment
-    is one run in at most `WHOLE_CHAINS` chains."""
+    is one run in at most `WHOLE_CHAINS` chains.
+
+    `pad_pages` > 0 (with the pool's `pool_pages`): when each segment is one run, runs whose
+    first pages are evenly spaced join one chain even when their page counts differ by up to
+    `pad_pages`, each read up to the longest (rows past a segment's length masked), and every
+    chain may read `pad_pages` more, within the pool: a layer whose owners hold different row
+    counts (a recall's rows, per-head budgets) is still a few strided products, and the plan
+    `holds` while owners grow into those pages. The pages read past a segment's rows must hold
+    finite values (`PagedPlan.padding`; a masked row weighs 0, but 0 * NaN is NaN)."""
     device = page_table.device
     segments = used.numel()
     seg = torch.repeat_interleave(torch.arange(segments, device=device), used)  # [Np]
@@ -319,6 +359,12 @@ def paged_plan(page_table: torch.Tensor, used: torch.Tensor, block_pages: int = 
         starts = breaks.nonzero()[:, 0]
         counts = torch.diff(starts, append=torch.tensor([pages.numel()], device=device))
         if starts.numel() == segments:  # every segment is one run
+            if pad_pages > 0 and pool_pages is not None:
+                chains, capacity = _padded_chains(pages[starts], used, pad_pages, pool_pages)
+                if len(chains) <= WHOLE_CHAINS:
+                    return PagedPlan(used, pages, seg, local, chains, pages[:0], pages[:0],
+                                     pages[:0], pages[:0], block_pages, True, pages[starts],
+                                     capacity)
             chains = _chains(seg, local, pages, used, starts, counts, page_rows, segments)
             whole = len(chains) <= WHOLE_CHAINS
         if not whole:
@@ -341,6 +387,44 @@ def paged_plan(page_table: torch.Tensor, used: torch.Tensor, block_pages: int = 
     grid[slot] = pages[short]
     return PagedPlan(used, pages, seg, local, chains, short, grid, slot, block_seg, block_pages,
                      whole)
+
+
+def _padded_chains(first: torch.Tensor, used: torch.Tensor, pad_pages: int,
+                   pool_pages: int) -> tuple[tuple[PagedChain, ...], torch.Tensor]:
+    """Segments that are one run each, by first pool page `first` `[S]`, grouped into chains
+    of evenly spaced runs whose page counts differ by at most `pad_pages`, each chain reading
+    its longest run's pages plus `pad_pages` (within the pool) from every run's first page
+    -> the chains and each segment's readable pages `[S]`."""
+    run_page, run_count = first.tolist(), used.tolist()
+    order = sorted(range(len(run_page)), key=lambda i: run_page[i])
+    groups: list[list[int]] = [[order[0]]]
+    low = high = run_count[order[0]]
+    for index in order[1:]:
+        chain = groups[-1]
+        page, count = run_page[index], run_count[index]
+        spaced = len(chain) == 1 or page - run_page[chain[-1]] == (
+            run_page[chain[1]] - run_page[chain[0]])
+        wide = max(high, count)
+        if spaced and wide - min(low, count) <= pad_pages and page + wide <= pool_pages:
+            chain.append(index)
+            low, high = min(low, count), wide
+            continue
+        groups.append([index])
+        low = high = count
+    device, segments = first.device, len(run_page)
+    capacity = [0] * segments
+    chains = []
+    for chain in groups:
+        longest = max(run_count[i] for i in chain)
+        readable = min(longest + pad_pages, pool_pages - run_page[chain[-1]])
+        stride = run_page[chain[1]] - run_page[chain[0]] if len(chain) > 1 else readable
+        for i in chain:
+            capacity[i] = readable
+        chains.append(PagedChain(
+            run_page[chain[0]], stride, readable, torch.tensor(chain, device=device),
+            torch.zeros(len(chain), dtype=torch.long, device=device), True,
+            chain == list(range(segments)), False))
+    return tuple(chains), torch.tensor(capacity, dtype=used.dtype, device=device)
 
 
 def _chains(seg: torch.Tensor, local: torch.Tensor, pages: torch.Tensor, used: torch.Tensor,

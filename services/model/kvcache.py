@@ -296,6 +296,7 @@ class DecodeCache(SlottedCache):
         self._own_lease: list[bool] = []
         self._device_table: list[torch.Tensor] | None = None  # per step, off-CPU devices only
         self._plans: list[PagedPlan | None] = [None] * config.num_layers  # per layer, reused
+        self._checked = [False] * config.num_layers  # the layer's plan holds for its pages
         self._varlen = backend == "varlen" or (
             backend == "auto" and varlen_decode_available(self.device, dtype)
         )
@@ -700,20 +701,31 @@ class DecodeCache(SlottedCache):
         return rotate(keys.float(), back, self._rotary).to(keys.dtype)
 
     def _invalidate(self, layers: Sequence[int] | None = None) -> None:
-        """Page tables changed (in `layers`; None: any): the device copies and those layers'
-        attention plans are stale (a recall that adds rows to a few layers keeps the others')."""
+        """Page tables changed (in `layers`; None: any): the device copies are stale, and those
+        layers' attention plans are checked again before their next use (a recall that adds
+        rows to a few layers leaves the others' alone)."""
         self._device_table = None
         for layer in range(len(self._plans)) if layers is None else layers:
-            self._plans[layer] = None
+            self._checked[layer] = False
 
     def _plan(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedPlan:
-        # Reused until `_invalidate`: between two page changes a step's row lands in a page the
-        # plan already reads (after each step's append every owner uses exactly the pages it
-        # holds; the one exception, a page an undone step opened, invalidates in `undo_step`).
+        # Reused while unchanged: between two page changes a step's row lands in a page the plan
+        # already reads (after each step's append every owner uses exactly the pages it holds;
+        # the one exception, a page an undone step opened, invalidates in `undo_step`). After a
+        # change the plan is kept when it still `holds` (padded by the pool's growth room: an
+        # owner's decode or recalled rows grew it in place), else built again, and the pages it
+        # may read past the rows are made safe to read (`PagePool.clean`).
         plan = self._plans[layer]
-        if plan is None:
-            used = pages_used(lengths, self.page_rows)
-            plan = self._plans[layer] = paged_plan(table, used, page_rows=self.page_rows)
+        if plan is not None and self._checked[layer]:
+            return plan
+        used = pages_used(lengths, self.page_rows)
+        if plan is None or not plan.holds(table, used):
+            pool = self.pool
+            plan = self._plans[layer] = paged_plan(
+                table, used, page_rows=self.page_rows, pad_pages=pool.growth_pages,
+                pool_pages=pool.num_pages)
+            pool.clean(plan.padding())
+        self._checked[layer] = True
         return plan
 
     def _layer_table(self, layer: int) -> torch.Tensor:
@@ -735,8 +747,8 @@ class DecodeCache(SlottedCache):
         flat, position = self._step_rows[0][layer], self._step_rows[1]
         d_h = self.config.head_dim
         pool = self.pool
-        pool.keys.view(-1, d_h).index_copy_(0, flat, k.reshape(-1, d_h).to(pool.dtype))
-        pool.values.view(-1, d_h).index_copy_(0, flat, v.reshape(-1, d_h).to(pool.dtype))
+        pool.keys.view(-1, d_h).index_copy_(0, flat, _finite(k.reshape(-1, d_h), pool.dtype))
+        pool.values.view(-1, d_h).index_copy_(0, flat, _finite(v.reshape(-1, d_h), pool.dtype))
         pool.positions.view(-1).index_copy_(0, flat, position)
         self._lengths[layer, : k.shape[0]] += 1
 
@@ -781,8 +793,8 @@ class DecodeCache(SlottedCache):
         source = (starts.reshape(-1)[segment] + local).to(keys.device)
         d_h = self.config.head_dim
         pool = self.pool
-        pool.keys.view(-1, d_h).index_copy_(0, dest, keys[source].to(self.device, pool.dtype))
-        pool.values.view(-1, d_h).index_copy_(0, dest, values[source].to(self.device, pool.dtype))
+        for given, flat in ((keys, pool.keys.view(-1, d_h)), (values, pool.values.view(-1, d_h))):
+            flat.index_copy_(0, dest, _finite(given[source].to(self.device), pool.dtype))
         pool.positions.view(-1).index_copy_(
             0, dest, positions.to(keys.device)[source].to(self.device, torch.int32))
         self._lengths[:, slot] += counts
@@ -862,3 +874,10 @@ class DecodeCache(SlottedCache):
         frontier = torch.zeros(slots, dtype=torch.int64, device=self.device)
         frontier[:used] = self._frontier[:used]
         self._frontier = frontier
+
+
+def _finite(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`rows` as the pool stores them: in its dtype, NaN as 0 and an infinity as the largest
+    finite value. A request whose model produced such a row has lost its answer either way; its
+    row must not turn a neighbour's masked read (a padded plan's) into NaN."""
+    return torch.nan_to_num(rows.to(dtype))

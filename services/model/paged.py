@@ -176,7 +176,11 @@ class PagePool:
     """The KV pages of one worker: keys/values `[num_pages, page_rows, d_h]` and positions
     `[num_pages, page_rows]` int32, preallocated once; a free list; the `ledger` they are
     charged to. Pages come back zeroed, so a row past a (request, owner)'s length is 0, never a
-    NaN left by an earlier request (attention masks it, and 0 * NaN would leak through)."""
+    NaN left by an earlier request (attention masks it, and 0 * NaN would leak through).
+
+    Every page a cache has written or zeroed holds finite values from then on (the cache stores
+    non-finite K/V as finite, `DecodeCache`), so a padded attention plan may read a neighbour's
+    or a free page under its mask once `clean` has zeroed the never-touched ones among them."""
 
     def __init__(self, num_pages: int, head_dim: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", page_rows: int = DEFAULT_PAGE_ROWS,
@@ -197,6 +201,7 @@ class PagePool:
         self.positions = torch.empty(num_pages, page_rows, dtype=torch.int32, device=self.device)
         self.growth_pages = growth_pages
         self._is_free = np.ones(num_pages, dtype=bool)  # host bitmap: True = free
+        self._touched = np.zeros(num_pages, dtype=bool)  # zeroed or written since creation
         self._free_count = num_pages
         self._lock = threading.Lock()
 
@@ -255,11 +260,27 @@ class PagePool:
             placed = [self._place(count, -1 if after is None else after[i],
                                   0 if near is None else near[i])
                       for i, count in enumerate(counts) if count > 0]
-        index = torch.from_numpy(np.concatenate(placed)).to(self.device)
+            pages = np.concatenate(placed)
+            self._touched[pages] = True
+        index = torch.from_numpy(pages).to(self.device)
+        self._zero(index)
+        return index
+
+    def clean(self, ids: torch.Tensor) -> None:
+        """Zero the pages among `ids` nothing has written or zeroed yet (`torch.empty` left
+        them as they were), so reading them under a mask is safe; the others keep their rows."""
+        pages = np.unique(ids.cpu().numpy()) if ids.numel() else np.zeros(0, dtype=np.int64)
+        with self._lock:
+            pages = pages[(pages >= 0) & (pages < self._touched.size)]
+            fresh = pages[~self._touched[pages]]
+            self._touched[fresh] = True
+        if fresh.size:
+            self._zero(torch.from_numpy(fresh).to(self.device))
+
+    def _zero(self, index: torch.Tensor) -> None:
         self.keys.index_fill_(0, index, 0)
         self.values.index_fill_(0, index, 0)
         self.positions.index_fill_(0, index, 0)
-        return index
 
     def free(self, lease: PageLease, ids: torch.Tensor | Sequence[int]) -> None:
         """Give pages back to the pool and discharge them from `lease`."""
@@ -316,5 +337,6 @@ class PagePool:
             grown[:old] = tensor
             setattr(self, name, grown)
         self._is_free = np.concatenate([self._is_free, np.ones(new - old, dtype=bool)])
+        self._touched = np.concatenate([self._touched, np.zeros(new - old, dtype=bool)])
         self._free_count += new - old
         self.ledger.grow(new)

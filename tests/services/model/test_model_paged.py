@@ -375,3 +375,117 @@ def test_whole_run_attention_equals_the_dense_reference_with_or_without_lse(
         assert torch.equal(plain, out) and no_lse is None
     else:
         torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_plan_chains_owners_of_different_lengths_and_reads_no_row_past_theirs():
+    """Owners one run each at an even stride, holding 1 to 5 pages: one padded chain, each
+    owner read up to the longest (its own rows past its length masked), equal to the dense
+    reference. The pages read past an owner's rows are `padding()`: NaN there (never-written
+    pool pages) reaches the output until they are zeroed, as `PagePool.clean` does; NaN
+    anywhere else never does. The plan holds while an owner grows in place within its
+    capacity, and not once a page moves or an owner outgrows it."""
+    generator = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([[5, 13], [9, 2], [17, 6]])
+    batch, owners = lengths.shape
+    used = attention.pages_used(lengths, ROWS)  # [2, 4, 3, 1, 5, 2]
+    stride, pool_pages = 8, 56
+    pool_k = torch.full((pool_pages, ROWS, D_H), float("nan"))
+    pool_v = torch.full((pool_pages, ROWS, D_H), float("nan"))
+    table = torch.zeros(batch, owners, 8, dtype=torch.long)
+    keys, values, positions = [], [], []
+    for b in range(batch):
+        keys.append([]), values.append([]), positions.append([])
+        for h in range(owners):
+            segment, n = b * owners + h, int(lengths[b, h])
+            first, count = stride * segment, int(used[segment])
+            table[b, h, :count] = torch.arange(first, first + count)
+            rows = torch.zeros(count * ROWS, 2, D_H)  # a pool page comes zeroed
+            rows[:n] = torch.randn(n, 2, D_H, generator=generator)
+            pool_k[first:first + count] = rows[:, 0].view(count, ROWS, D_H)
+            pool_v[first:first + count] = rows[:, 1].view(count, ROWS, D_H)
+            keys[b].append(rows[:n, 0]), values[b].append(rows[:n, 1])
+            positions[b].append(torch.arange(n))
+    plan = attention.paged_plan(table, used, page_rows=ROWS, pad_pages=4, pool_pages=pool_pages)
+    assert plan.whole and len(plan.chains) == 1 and plan.chains[0].count == 5 + 4
+    assert plan.capacity is not None and plan.capacity.tolist() == [9] * 6
+    bounded = attention.paged_plan(table, used, page_rows=ROWS, pad_pages=4, pool_pages=48)
+    assert bounded.capacity is not None and bounded.capacity.tolist() == [8] * 6  # pool's end
+    q = torch.randn(batch, owners * 2, D_H, generator=generator)
+    expected, expected_lse = dense_reference(q, keys, values, positions, None, 0.3, 2)
+    leaked, _ = paged_decode_attention(q, pool_k, pool_v, table, lengths, 0.3, plan=plan)
+    assert bool(leaked.isnan().any())  # the longest owner's span crosses the others' NaN pages
+    padding = plan.padding()
+    assert padding.tolist() == [p for s in range(6)
+                                for p in range(stride * s + int(used[s]), stride * s + 9)]
+    fresh = padding[pool_k[padding].isnan().flatten(1).any(dim=1)]  # never written, as clean
+    pool_k[fresh], pool_v[fresh] = 0.0, 0.0
+    out, lse = paged_decode_attention(q, pool_k, pool_v, table, lengths, 0.3, plan=plan)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+    assert plan.holds(table, used)
+    grown, grown_used = table.clone(), used.clone()
+    grown[1, 1, 1:5] = torch.arange(stride * 3 + 1, stride * 3 + 5)  # 1 -> 5 pages, in place
+    grown_used[3] = 5
+    assert plan.holds(grown, grown_used)
+    grown_used[3] = 10  # past its capacity of 9
+    assert not plan.holds(grown, grown_used)
+    moved = table.clone()
+    moved[0, 1, 3] = 40  # a page outside the run
+    assert not plan.holds(moved, used)
+    assert not attention.paged_plan(table, used, page_rows=ROWS).holds(table, used)
+
+
+def test_clean_zeroes_only_the_pages_nothing_wrote():
+    pool = PagePool(6, D_H, torch.float32, page_rows=ROWS)
+    pool.keys.fill_(float("nan")), pool.values.fill_(float("nan"))  # what torch.empty may hold
+    lease = pool.ledger.reserve(0, "r")
+    taken = pool.allocate(lease, 2)  # zeroed
+    pool.keys[taken[0]] = 7.0
+    pool.free(lease, taken[:1])  # a freed page keeps its (finite) rows
+    pool.clean(torch.tensor([0, 1, 2, 3]))
+    assert bool((pool.keys[0] == 7.0).all()) and bool((pool.keys[1:4] == 0).all())
+    assert bool(pool.keys[4:].isnan().all()) and bool(pool.values[4:].isnan().all())
+    pool.keys[2] = float("nan")  # a page is cleaned once, not every time a plan reads it
+    pool.clean(torch.tensor([2]))
+    assert bool(pool.keys[2].isnan().all())
+
+
+def test_a_plan_holds_while_owners_grow_in_place_and_non_finite_rows_are_stored_finite():
+    """A padded plan is built once and kept while decode steps and appended rows (a recall's)
+    grow owners in place across pages, the logits those of the padded reference; a request's
+    NaN and infinite K/V rows are stored finite, so a neighbour's masked read never meets them."""
+    from services.model.padded_cache import PaddedDecodeCache
+
+    config = tiny_config()
+    model = CausalLM(config).eval().requires_grad_(False)
+    keys, values = symbolic(12)
+    keys, values = keys / 1000, values / 1000
+    view = pack(keys, values, SELECTED)
+    cache = DecodeCache(config, torch.float32, batch_capacity=2, row_capacity=64,
+                        page_rows=ROWS, pool=PagePool(256, D_H, torch.float32, page_rows=ROWS))
+    reference = PaddedDecodeCache(config, torch.float32, batch_capacity=2, row_capacity=64)
+    for each in (cache, reference):
+        each.admit_view("a", view, frontier=12)
+        each.admit_dense("b", keys, values)
+    decode_step(model, cache, [1, 2]), decode_step(model, reference, [1, 2])
+    plans = list(cache._plans)
+    assert all(plan is not None and plan.capacity is not None for plan in plans)
+    for token in range(3, 9):  # owners of 2 to 14 rows cross pages: pages added in place
+        torch.testing.assert_close(decode_step(model, cache, [token, token + 1]),
+                                   decode_step(model, reference, [token, token + 1]),
+                                   atol=1e-5, rtol=1e-5)
+    assert all(kept is now for kept, now in zip(plans, cache._plans, strict=True))
+    held = cache.lengths("a")
+    cache.append_rows("a", 1, 1, keys[1, 1, 10:11], values[1, 1, 10:11], torch.tensor([10]))
+    decode_step(model, cache, [3, 4])
+    assert all(kept is now for kept, now in zip(plans, cache._plans, strict=True))
+    assert int(cache.lengths("a")[1, 1]) == int(held[1, 1]) + 2
+
+    bad_k, bad_v = keys.clone(), values.clone()
+    bad_k[0, 1, 4], bad_v[1, 0, 7] = float("nan"), float("inf")
+    cache.admit_dense("c", bad_k, bad_v)
+    k, v, _ = cache.rows("c", 0, 1)
+    assert bool(k.isfinite().all()) and bool((k[4] == 0).all())
+    _, v, _ = cache.rows("c", 1, 0)
+    assert bool(v.isfinite().all()) and bool((v[7] == torch.finfo(torch.float32).max).all())
+    assert bool(decode_step(model, cache, [5, 6, 7])[:2].isfinite().all())
