@@ -637,8 +637,8 @@ def omitted_value_term(
     value"): attention that is spread over thousands of omitted rows is not worth fetching
     row by row, but its sum still moves the output."""
     alive = _check_live(live, summaries.num_pages)
-    page_mass, top = _page_masses(summaries, logits.logits, live_bias(summaries, alive))
-    mass, value = _term_of(summaries.value_grid, page_mass, top)  # [S, G], [S, G, d_h]
+    _, _, mass, value = codes_kernel.value_term_of(
+        logits.logits, live_bias(summaries, alive), summaries.value_grid, summaries.page_size)
     heads, by_layer = logits.readers.flatten(), (summaries.num_layers, summaries.num_owners)
     return ValueTerm(_to_heads(mass.unflatten(0, by_layer), heads, dim=1),
                      _to_heads(value.unflatten(0, by_layer), heads, dim=1))
@@ -665,10 +665,9 @@ def layer_value_term(
     table = summaries.code_table
     estimates = table.estimates[segments]  # [H_owner, d_h * slots], contiguous rows
     q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [H_q, d_h]
-    logits = codes_kernel.block_logits(q[readers], estimates, summaries.head_dim,
-                                       table.block)  # [H_owner, G, slots]
-    page_mass, top = _page_masses(summaries, logits, bias[segments])
-    mass, value = _term_of(summaries.value_grid[segments], page_mass, top)
+    logits, page_mass, top, mass, value = codes_kernel.block_value_term(
+        q[readers], estimates, bias[segments], summaries.value_grid[segments],
+        summaries.head_dim, table.block, summaries.page_size)  # logits [H_owner, G, slots]
     heads = readers.flatten()
     return LayerTerm(_to_heads(mass, heads), _to_heads(value, heads), logits, page_mass, top,
                      segments, heads)
@@ -691,7 +690,8 @@ class LayerTerm:
         counted: recalled pages taken out, their mass and value, with the masses of the
         query that computed the term (no code logits are read again)."""
         page_mass = self.page_mass * grid_live[self.segments, None, :]
-        mass, value = _term_of(summaries.value_grid[self.segments], page_mass, self.top)
+        mass, value = codes_kernel.term_of(page_mass, self.top,
+                                           summaries.value_grid[self.segments])
         return replace(self, log_mass=_to_heads(mass, self.heads),
                        value=_to_heads(value, self.heads), page_mass=page_mass)
 
@@ -703,27 +703,6 @@ def live_grid(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
     grid = torch.zeros(segments * (slots // summaries.page_size), dtype=torch.bool)
     grid[table.page_slot] = live
     return grid.view(segments, -1)
-
-
-def _page_masses(summaries: PageSummaries, logits: torch.Tensor,
-                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every page's mass scaled by e^-top `[s, G, pages]` and top `[s, G, 1]`, each head's
-    largest live logit: one exponential per slot (a per-page log-sum-exp over 8 slots cost
-    twice as much); what underflows is below e^-87 of that row, itself at most the term."""
-    count, width, _ = logits.shape
-    z = logits + bias[:, None, :]  # [s, G, slots], -inf outside live rows
-    top = z.amax(dim=2, keepdim=True)  # [s, G, 1]
-    top = torch.where(torch.isfinite(top), top, 0.0)  # a head with no live row: all zero below
-    return z.sub_(top).exp_().view(count, width, -1, summaries.page_size).sum(dim=3), top
-
-
-def _term_of(grid: torch.Tensor, page_mass: torch.Tensor,
-             top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log mass `[s, G]` and mean-value-weighted value `[s, G, d_h]` of page masses
-    `[s, G, pages]` (scaled by e^-top) over the value grid rows `grid` `[s, pages, d_h]`."""
-    total = page_mass.sum(dim=2)  # [s, G]
-    weights = (page_mass / total[..., None]).nan_to_num_(0.0)  # no live page: 0
-    return total.log() + top[..., 0], torch.bmm(weights.to(grid.dtype), grid).float()
 
 
 def _to_heads(part: torch.Tensor, heads: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -56,6 +56,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 constexpr int64_t kMaxGroup = 8;
@@ -199,6 +200,145 @@ torch::Tensor block_page_lse(torch::Tensor q, torch::Tensor r, torch::Tensor tab
   return out;
 }
 
+// e^x for x <= 88 within about 2 ulp, 0 below -87 (so e^-inf is 0): Cody-Waite reduction to
+// 2^n e^r, |r| <= ln2 / 2, and a degree-6 polynomial (Cephes' expf). Written so a slot loop
+// vectorizes: std::exp without -ffast-math is one scalar call a slot, and so is std::floor.
+inline float exp_approx(float x) {
+  const float z = std::min(std::max(x, -87.f), 88.f);
+  const float n = (z * 1.44269504088896341f + 12582912.f) - 12582912.f;  // rounded (1.5 * 2^23)
+  const float r = z - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// One segment's term parts from its logits [G, slots] and slot bias [slots]: top[g], the
+// largest live logit (0 when none is live), and page_mass[g, p], the sum over page p's slots
+// of e^(logit + bias - top).
+void segment_masses(const float* logits, int64_t G, int64_t slots, const float* bias,
+                    int64_t page, float* page_mass, float* top) {
+  const int64_t pages = slots / page, chunk = page * (kMaxBlock / page);
+  alignas(64) float e[kMaxBlock];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* z = logits + g * slots;
+    float m = -INFINITY;
+    #pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < slots; ++i) m = std::max(m, z[i] + bias[i]);
+    m = m == -INFINITY ? 0.f : m;
+    top[g] = m;
+    for (int64_t n0 = 0; n0 < slots; n0 += chunk) {
+      const int64_t width = std::min(chunk, slots - n0);
+      #pragma omp simd
+      for (int64_t i = 0; i < width; ++i) e[i] = exp_approx(z[n0 + i] + bias[n0 + i] - m);
+      for (int64_t p0 = 0; p0 < width; p0 += page) {
+        float total = 0.f;
+        for (int64_t i = p0; i < p0 + page; ++i) total += e[i];
+        page_mass[g * pages + (n0 + p0) / page] = total;
+      }
+    }
+  }
+}
+
+// One segment's term from its page masses [G, pages] (scaled by e^-top) and value grid
+// [pages, D] bfloat16: log_mass[g] = log(sum_p mass) + top[g] and value[g] the masses'
+// average of the pages' mean values, in float32 (0 where no page has mass).
+void segment_term(const float* page_mass, const float* top, int64_t G, int64_t pages,
+                  const uint16_t* grid, int64_t D, float* log_mass, float* value) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* mass = page_mass + g * pages;
+    float total = 0.f;
+    for (int64_t p = 0; p < pages; ++p) total += mass[p];
+    log_mass[g] = std::log(total) + top[g];
+    float* __restrict out = value + g * D;
+    std::fill(out, out + D, 0.f);
+    if (!(total > 0.f)) continue;
+    for (int64_t p = 0; p < pages; ++p) {
+      const float w = mass[p] / total;
+      if (w == 0.f) continue;
+      const uint16_t* __restrict row = grid + p * D;
+      #pragma omp simd
+      for (int64_t c = 0; c < D; ++c) out[c] += w * bf16(row[c]);
+    }
+  }
+}
+
+void check_term(const torch::Tensor& bias, const torch::Tensor& grid, int64_t S, int64_t slots,
+                int64_t page) {
+  TORCH_CHECK(page >= 1 && page <= kMaxBlock && slots % page == 0, "page");
+  TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+              bias.numel() == S * slots, "bias");
+  TORCH_CHECK(grid.dim() == 3 && grid.scalar_type() == torch::kBFloat16 && grid.is_contiguous() &&
+              grid.size(0) == S && grid.size(1) == slots / page, "grid");
+}
+
+// The omitted-value term of owner segments from logits already computed [S, G, slots]
+// -> page_mass [S, G, pages], top [S, G, 1], log_mass [S, G], value [S, G, D] float32
+std::vector<torch::Tensor> value_term_of(torch::Tensor logits, torch::Tensor bias,
+                                         torch::Tensor grid, int64_t page) {
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == torch::kFloat32 &&
+              logits.is_contiguous() && logits.size(1) <= kMaxGroup, "logits");
+  const int64_t S = logits.size(0), G = logits.size(1), slots = logits.size(2);
+  check_term(bias, grid, S, slots, page);
+  const int64_t pages = slots / page, D = grid.size(2);
+  auto page_mass = torch::empty({S, G, pages}, logits.options());
+  auto top = torch::empty({S, G, 1}, logits.options());
+  auto log_mass = torch::empty({S, G}, logits.options());
+  auto value = torch::empty({S, G, D}, logits.options());
+  pybind11::gil_scoped_release no_gil;
+  const auto* gp = reinterpret_cast<const uint16_t*>(grid.data_ptr<at::BFloat16>());
+  for (int64_t s = 0; s < S; ++s) {
+    float* pm = page_mass.data_ptr<float>() + s * G * pages;
+    float* tp = top.data_ptr<float>() + s * G;
+    segment_masses(logits.data_ptr<float>() + s * G * slots, G, slots,
+                   bias.data_ptr<float>() + s * slots, page, pm, tp);
+    segment_term(pm, tp, G, pages, gp + s * pages * D, D, log_mass.data_ptr<float>() + s * G,
+                 value.data_ptr<float>() + s * G * D);
+  }
+  return {page_mass, top, log_mass, value};
+}
+
+// `value_term_of` with the logits scored here, in one call over the layer's segments
+// -> logits [S, G, slots] (`block_logits`' to the bit), then value_term_of's four
+std::vector<torch::Tensor> block_value_term(torch::Tensor q, torch::Tensor table,
+                                            torch::Tensor bias, torch::Tensor grid,
+                                            int64_t slots, int64_t block, int64_t page) {
+  torch::Tensor logits = block_logits(q, table, slots, block);
+  std::vector<torch::Tensor> parts = value_term_of(logits, bias, grid, page);
+  parts.insert(parts.begin(), logits);
+  return parts;
+}
+
+// A term's log mass and value from page masses [S, G, pages] and top [S, G, 1] (a term with
+// pages taken out) -> log_mass [S, G], value [S, G, D]
+std::vector<torch::Tensor> term_of(torch::Tensor page_mass, torch::Tensor top,
+                                   torch::Tensor grid) {
+  TORCH_CHECK(page_mass.dim() == 3 && page_mass.scalar_type() == torch::kFloat32 &&
+              page_mass.is_contiguous(), "page_mass");
+  const int64_t S = page_mass.size(0), G = page_mass.size(1), pages = page_mass.size(2);
+  TORCH_CHECK(top.scalar_type() == torch::kFloat32 && top.is_contiguous() &&
+              top.numel() == S * G, "top");
+  TORCH_CHECK(grid.dim() == 3 && grid.scalar_type() == torch::kBFloat16 && grid.is_contiguous() &&
+              grid.size(0) == S && grid.size(1) == pages, "grid");
+  const int64_t D = grid.size(2);
+  auto log_mass = torch::empty({S, G}, page_mass.options());
+  auto value = torch::empty({S, G, D}, page_mass.options());
+  pybind11::gil_scoped_release no_gil;
+  const auto* gp = reinterpret_cast<const uint16_t*>(grid.data_ptr<at::BFloat16>());
+  for (int64_t s = 0; s < S; ++s)
+    segment_term(page_mass.data_ptr<float>() + s * G * pages, top.data_ptr<float>() + s * G, G,
+                 pages, gp + s * pages * D, D, log_mass.data_ptr<float>() + s * G,
+                 value.data_ptr<float>() + s * G * D);
+  return {log_mass, value};
+}
+
 // The same page log-sum-exps from logits already computed (`block_logits`), to the bit
 // -> [S, slots / page] float32
 torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor bias,
@@ -247,7 +387,8 @@ def _build() -> Any | None:
     try:
         return cpp_extension.load_inline(
             f"kvrelay_codes_kernel_{_cpu_tag()}", cpp_sources=_SOURCE,
-            functions=["block_logits", "block_page_lse", "page_lse_of"],
+            functions=["block_logits", "block_page_lse", "page_lse_of", "value_term_of",
+                       "block_value_term", "term_of"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler or ninja: torch computes the same
@@ -266,7 +407,7 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-    return f"v6_{digest}"
+    return f"v8_{digest}"
 
 
 def available() -> bool:
@@ -333,6 +474,52 @@ def page_lse_of(logits: torch.Tensor, retained_lse: torch.Tensor, bias: torch.Te
         return best.view(best.shape[0], -1, page).logsumexp(dim=2)
     return module.page_lse_of(logits.float().contiguous(), retained_lse.float().contiguous(),
                               bias.float().contiguous(), block, page)
+
+
+def block_value_term(query: torch.Tensor, table: torch.Tensor, bias: torch.Tensor,
+                     grid: torch.Tensor, dim: int, block: int, page: int) -> tuple[torch.Tensor, ...]:
+    """One layer's omitted-value term in one call: `block_logits`' logits `[S, G, slots]`
+    (to the bit), then `value_term_of`'s page masses, top, log mass and value."""
+    module = _kernel(query, block)
+    if module is None:
+        logits = _torch_logits(query, table, dim, block)
+        return (logits, *value_term_of(logits, bias, grid, page))
+    return tuple(module.block_value_term(query.float().contiguous(), table,
+                                         bias.float().contiguous(), grid.contiguous(),
+                                         table.shape[1] // dim, block, page))
+
+
+def value_term_of(logits: torch.Tensor, bias: torch.Tensor, grid: torch.Tensor,
+                  page: int) -> tuple[torch.Tensor, ...]:
+    """The omitted-value term's parts from code logits `[S, G, slots]`, slot bias `[S, slots]`
+    (-inf: not live) and the pages' mean values `grid` `[S, slots / page, d_h]` bfloat16:
+    page masses `[S, G, pages]` scaled by e^-top, top `[S, G, 1]` (each head's largest live
+    logit, 0 when none is live), log mass `[S, G]` and value `[S, G, d_h]`, in float32."""
+    module = _kernel(logits, page)
+    if module is None:
+        count, width, _ = logits.shape
+        z = logits + bias[:, None, :]  # [S, G, slots]
+        top = z.amax(dim=2, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        page_mass = z.sub_(top).exp_().view(count, width, -1, page).sum(dim=3)
+        return (page_mass, top, *term_of(page_mass, top, grid))
+    return tuple(module.value_term_of(logits.float().contiguous(), bias.float().contiguous(),
+                                      grid.contiguous(), page))
+
+
+def term_of(page_mass: torch.Tensor, top: torch.Tensor,
+            grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log mass `[S, G]` and the masses' average of the pages' mean values `[S, G, d_h]`
+    (0 where no page has mass) from page masses `[S, G, pages]` scaled by e^-top, top
+    `[S, G, 1]` and the value grid `[S, pages, d_h]`, in float32."""
+    module = _kernel(page_mass, 1)
+    if module is None:
+        total = page_mass.sum(dim=2)  # [S, G]
+        weights = (page_mass / total[..., None]).nan_to_num_(0.0)  # no live page: 0
+        return total.log() + top[..., 0], torch.bmm(weights, grid.float())
+    log_mass, value = module.term_of(page_mass.float().contiguous(), top.float().contiguous(),
+                                     grid.contiguous())
+    return log_mass, value
 
 
 def row_logits(query: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:

@@ -79,6 +79,78 @@ def test_the_torch_fallback_gives_what_the_kernel_gives(monkeypatch: pytest.Monk
                               atol=5e-2, rtol=0)
 
 
+def _brute_term(logits: torch.Tensor, bias: torch.Tensor, grid: torch.Tensor,
+                page: int) -> tuple[torch.Tensor, ...]:
+    """The omitted-value term in float64: page masses under each head's top live logit, the
+    log mass and the masses' average of the pages' mean values."""
+    z = logits.double() + bias.double()[:, None, :]
+    top = z.amax(dim=2, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    page_mass = (z - top).exp().view(*z.shape[:2], -1, page).sum(dim=3)
+    total = page_mass.sum(dim=2)
+    value = torch.bmm((page_mass / total[..., None]).nan_to_num(0.0), grid.double())
+    return page_mass, top, total.log() + top[..., 0], value
+
+
+@pytest.mark.parametrize(("group", "slots", "page", "block"),
+                         [(3, 96, 8, 32), (1, 40, 8, 16), (8, 256, 4, 256), (3, 1200, 8, 128)])
+def test_the_value_term_equals_brute_force_and_its_parts_agree_to_the_bit(
+        group: int, slots: int, page: int, block: int) -> None:
+    """`block_value_term` (one pass: the code logits, then each head's page masses and the
+    term) against float64, with unused slots, an unused page and a segment with no live row
+    (no mass: log mass -inf, value 0); its logits are `block_logits`' and its term
+    `value_term_of`'s and `term_of`'s, to the bit. Logits tens of nats apart keep every page's
+    mass within 2e-6 of its own size, or 1e-12 of the top's (the kernel's exponential is a
+    polynomial, not libm's, and 0 below e^-87)."""
+    table, query, _, bias = _case(slots + group, 5, group, 16, slots, page)
+    query = query * 4  # logits tens of nats apart
+    gen = torch.Generator().manual_seed(slots)
+    grid = torch.randn(5, slots // page, 16, generator=gen).to(torch.bfloat16)
+    blocked = codes_kernel.to_blocks(table, block)
+    logits, page_mass, top, log_mass, value = codes_kernel.block_value_term(
+        query, blocked, bias, grid, 16, block, page)
+    assert torch.equal(logits, codes_kernel.block_logits(query, blocked, 16, block))
+    want_mass, want_top, want_log, want_value = _brute_term(logits, bias, grid, page)
+    assert float((logits.amax(dim=2) - logits.amin(dim=2)).max()) > 20
+    assert torch.equal(top.double(), want_top)
+    assert torch.allclose(page_mass.double(), want_mass, rtol=2e-6, atol=1e-12)
+    assert torch.equal(torch.isfinite(log_mass), torch.isfinite(want_log))
+    assert not bool(torch.isfinite(log_mass[0]).any()) and bool((value[0] == 0).all())
+    live = torch.isfinite(want_log)
+    assert torch.allclose(log_mass.double()[live], want_log[live], atol=1e-5, rtol=0)
+    assert torch.allclose(value.double(), want_value, atol=1e-5, rtol=0)
+    parts = codes_kernel.value_term_of(logits, bias, grid, page)
+    assert all(torch.equal(a, b) for a, b in zip(parts, (page_mass, top, log_mass, value),
+                                                 strict=True))
+    taken = page_mass.clone()
+    taken[:, :, ::3] = 0  # pages recalled: their mass out, the same top
+    log_without, value_without = codes_kernel.term_of(taken, top, grid)
+    _, _, want_log, want_value = _brute_term(
+        logits, bias.view(5, -1, page).index_fill(1, torch.arange(0, slots // page, 3),
+                                                  -math.inf).view(5, -1), grid, page)
+    live = torch.isfinite(want_log)
+    assert torch.allclose(log_without.double()[live], want_log[live], atol=1e-5, rtol=0)
+    assert torch.allclose(value_without.double(), want_value, atol=1e-5, rtol=0)
+
+
+def test_the_value_terms_torch_fallback_gives_what_the_kernel_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    table, query, _, bias = _case(9, 4, 3, 16, 96, 8)
+    grid = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    blocked = codes_kernel.to_blocks(table, 32)
+    kernel = codes_kernel.block_value_term(query, blocked, bias, grid, 16, 32, 8)
+    monkeypatch.setattr(codes_kernel, "_kernel", lambda query, block: None)
+    fallback = codes_kernel.block_value_term(query, blocked, bias, grid, 16, 32, 8)
+    # The fallback's logits are torch's bfloat16 product (a few hundredths off); from the
+    # kernel's logits its term is the kernel's within float32 rounding.
+    assert torch.allclose(fallback[0], kernel[0], atol=5e-2, rtol=0)
+    parts = codes_kernel.value_term_of(kernel[0], bias, grid, 8)
+    for got, want in zip(parts, kernel[1:], strict=True):
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite)
+        assert torch.allclose(got[finite], want[finite], atol=1e-5, rtol=1e-5)
+
+
 def test_without_the_kernel_a_table_is_one_coordinates_first_block(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codes_kernel, "available", lambda: False)
