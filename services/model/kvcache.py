@@ -624,10 +624,12 @@ class DecodeCache(SlottedCache):
                     page_positions=pool.positions, plan=self._plan(layer, table, lengths),
                     with_lse=capture is not None or bool(terms),
                 )
+                # The terms first: a capture's `on_layer` may read what they computed.
+                parts = self._layer_terms(layer, q) if terms and lse is not None else None
                 if capture is not None and lse is not None:
-                    capture.record(layer, q, lse)  # the rows' own, before any term
-                if terms and lse is not None:
-                    out = merge_partial(out, lse, *self._layer_terms(layer, q))
+                    capture.record(layer, q, lse)  # the rows' own, without the term
+                if parts is not None and lse is not None:
+                    out = merge_partial(out, lse, *parts)
             if self._gathered:
                 out = self._attend_gathered(layer, q, out)
             return out

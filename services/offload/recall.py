@@ -527,11 +527,11 @@ class RecallSession:
     def scores_alongside(self) -> bool:
         """Whether this step's codes scoring runs layer by layer on the planner thread while
         the step's later layers still run (`LayerScores`): a deferred step planned in the
-        background, scoring every row, without the value term's logits to read instead."""
+        background, scoring every row (from the value term's logits where the decode thread
+        computed them for the layer)."""
         strategy = self.strategy
         return (strategy.plan_in_background and strategy.ranking is Ranking.CODES
-                and strategy.sketch_candidates is None
-                and (self.value_term is None or strategy.term_ahead) and self.defers())
+                and strategy.sketch_candidates is None and self.defers())
 
     def start_planning(self, query: torch.Tensor, lse: torch.Tensor, cache: DecodeCache, *,
                        recalled_now: bool, scores: LayerScores | None = None) -> RecallOutcome:
@@ -542,7 +542,7 @@ class RecallSession:
         Everything the plan reads of the session is fixed here, on the decode thread.
         `scores`: the step's page scores, computed as its layers attended."""
         generation, frontier = self._deferred_successor(cache, recalled_now)
-        logits = self._term_logits()
+        logits = self._term_logits() if scores is None else None  # else: scored per layer
         future = plan_pool().submit(
             self._plan_in_background, query.detach().clone(), lse.detach().clone(),
             list(cache.head_to_owner), cache.scale, logits, scores, self.steps, self.state,
@@ -944,6 +944,12 @@ class ValueTermSource:
         self._terms[layer], self._term_live[layer] = term, live
         return term.log_mass, term.value
 
+    def fresh_logits(self, layer: int) -> torch.Tensor | None:
+        """Layer l's code logits `[H_owner, G, slots]` if its term was computed afresh at this
+        step (from this step's query), else None."""
+        term = self._terms[layer]
+        return term.logits if term is not None and layer in self._fresh_layers else None
+
     def step_logits(self) -> CodeLogits | None:
         """The code logits every layer computed at this step (None unless all did)."""
         terms = self._terms
@@ -956,8 +962,10 @@ class LayerScores:
     """One step's codes scoring for the sessions that score alongside it
     (`RecallSession.scores_alongside`): as each layer's attention is captured (`StepCapture.
     on_layer`), the planner thread scores that layer's segments of every such session's codes
-    table (`bound.layer_page_lse`), while the decode thread runs the later layers. The
-    sessions' background plans, queued behind the layers, read the scores (`page_lse`)."""
+    table (`bound.layer_page_lse`), while the decode thread runs the later layers. A session
+    whose value term the decode thread computed for the layer (before the capture) is scored
+    from the term's code logits, not the table (the same scores to the bit). The sessions'
+    background plans, queued behind the layers, read the scores (`page_lse`)."""
 
     def __init__(self, sessions: Mapping[str, RecallSession], slots: Mapping[str, int],
                  cache: DecodeCache) -> None:
@@ -967,8 +975,9 @@ class LayerScores:
             assert session.summaries is not None
             readers = owner_readers(session.summaries, cache.head_to_owner)
             term = session.value_term
-            ahead = None if term is None else term.ahead()
-            self._work.append((request_id, session.summaries, slots[request_id], readers, ahead))
+            ahead = term.ahead() if term is not None and session.strategy.term_ahead else None
+            self._work.append((request_id, session.summaries, slots[request_id], readers, ahead,
+                               term))
         layers = cache.config.num_layers
         self._pages: dict[str, list[torch.Tensor | None]] = {
             request_id: [None] * layers for request_id in sessions
@@ -982,13 +991,14 @@ class LayerScores:
         self._futures.append(plan_pool().submit(self._score, layer, query, lse))
 
     def _score(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
-        for request_id, summaries, slot, readers, ahead in self._work:
+        for request_id, summaries, slot, readers, ahead, term in self._work:
             try:
                 if ahead is not None:
                     self._pages[request_id][layer] = ahead.layer(layer, query[slot], lse[slot])
                     continue
                 self._pages[request_id][layer] = layer_page_lse(
-                    summaries, layer, query[slot], lse[slot], readers, scale=self._scale
+                    summaries, layer, query[slot], lse[slot], readers, scale=self._scale,
+                    logits=None if term is None else term.fresh_logits(layer),
                 )
             except Exception as exc:  # noqa: BLE001 - raised by that session's plan only
                 self._errors[request_id] = exc

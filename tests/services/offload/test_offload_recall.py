@@ -871,6 +871,45 @@ def test_plans_made_beside_the_step_recall_what_the_decode_thread_would(
     assert all(name.startswith("recall-plan") for name in scored_on)
 
 
+def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_same(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the omitted-value term computed on the decode thread as each layer attends, the
+    planner thread scores that layer from the term's code logits (never the table again) as
+    the step runs: every step's logits equal the plan made on the decode thread, to the bit,
+    and the same pages land before the same steps."""
+    compressed = compress(model, replace(CODES_KNOBS, code_bits=4, value_term=True), seed=3)
+    scored: list[tuple[str, bool]] = []
+    scorer = recall_engine.layer_page_lse
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        scored.append((threading.current_thread().name, kwargs.get("logits") is not None))
+        return scorer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recall_engine, "layer_page_lse", recording)
+    runs = {}
+    for background in (False, True):
+        strategy = replace(CODES_INLINE, plan_in_background=background)
+        session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
+        assert session.value_term is not None
+        cache = view_cache(model, compressed, page_rows=2)
+        token, steps = compressed.first_token, []
+        for _ in range(STEPS):
+            step = decode_with_recall(model, cache, [token], {"req": session})
+            steps.append((step.logits[0], step.outcomes["req"]))
+            token = int(step.logits[0].argmax())
+        runs[background] = steps
+    recalled = 0
+    for index, ((want, asked), (got, outcome)) in enumerate(zip(*runs.values(), strict=True)):
+        assert torch.equal(got, want)
+        if index >= 2:
+            assert outcome.pages == asked.pages and outcome.status is asked.status
+            recalled += outcome.status is RecallStatus.RECALLED
+    assert recalled > 0
+    assert len(scored) == model.config.num_layers * (STEPS - 1)
+    assert all(name.startswith("recall-plan") and from_logits for name, from_logits in scored)
+
+
 @pytest.mark.parametrize("fallback", list(TimeoutFallback))
 def test_a_plan_not_done_by_the_deadline_takes_the_fallback(
     model: CausalLM, fallback: TimeoutFallback
