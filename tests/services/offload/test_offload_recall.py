@@ -46,6 +46,7 @@ from services.offload.pages import (
 )
 from services.offload.recall import (
     RecallKnobs,
+    RecallOutcome,
     RecallSession,
     RecallStatus,
     RecallStrategy,
@@ -828,57 +829,13 @@ CODES_KNOBS = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=3, cade
                           code_bits=2)
 
 
-def test_plans_made_beside_the_step_recall_what_the_decode_thread_would(
-    model: CausalLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Scored layer by layer on the planner thread as the step runs, chosen and fetched there:
-    the same pages land before the same steps, so every step's logits are the same to the bit;
-    only the step that asked reports PLANNING instead of FETCHING with its pages."""
-    compressed = compress(model, CODES_KNOBS, seed=3)
-    scored_on: list[str] = []
-    scorer = recall_engine.layer_page_lse
-
-    def recording(*args: object, **kwargs: object) -> torch.Tensor:
-        scored_on.append(threading.current_thread().name)
-        return scorer(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(recall_engine, "layer_page_lse", recording)
-    runs = {}
-    for background in (False, True):
-        strategy = replace(CODES_INLINE, plan_in_background=background)
-        session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
-        cache = view_cache(model, compressed, page_rows=2)
-        token, steps = compressed.first_token, []
-        for _ in range(STEPS):
-            step = decode_with_recall(model, cache, [token], {"req": session})
-            steps.append((step.logits[0], step.outcomes["req"]))
-            token = int(step.logits[0].argmax())
-        runs[background] = steps
-    inline, beside = runs[False], runs[True]
-    for index, ((want, asked), (got, outcome)) in enumerate(zip(inline, beside, strict=True)):
-        assert torch.equal(got, want)
-        if index == 0:  # the cue step recomputes on the decode thread in both
-            assert outcome.status is asked.status is RecallStatus.RECALLED
-        elif index == 1:
-            assert asked.status is RecallStatus.FETCHING and asked.fetching
-            assert outcome.status is RecallStatus.PLANNING and not outcome.fetching
-        else:
-            assert outcome.status is asked.status is RecallStatus.RECALLED
-            assert outcome.pages == asked.pages == inline[index - 1][1].fetching
-            assert outcome.rows == asked.rows and outcome.successor == asked.successor
-    layers = model.config.num_layers
-    assert len(scored_on) == layers * (STEPS - 1)  # every deferred step, layer by layer
-    assert all(name.startswith("recall-plan") for name in scored_on)
+Steps = list[tuple[torch.Tensor, RecallOutcome]]
 
 
-def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_same(
-    model: CausalLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the omitted-value term computed on the decode thread as each layer attends, the
-    planner thread scores that layer from the term's code logits (never the table again) as
-    the step runs: every step's logits equal the plan made on the decode thread, to the bit,
-    and the same pages land before the same steps."""
-    compressed = compress(model, replace(CODES_KNOBS, code_bits=4, value_term=True), seed=3)
+def inline_and_beside(model: CausalLM, compressed: Compressed, monkeypatch: pytest.MonkeyPatch
+                      ) -> tuple[Steps, Steps, list[tuple[str, bool]]]:
+    """The same decode planned on the decode thread and beside the step: each run's (logits,
+    outcome) a step, and every layer scoring's thread and whether it read code logits."""
     scored: list[tuple[str, bool]] = []
     scorer = recall_engine.layer_page_lse
 
@@ -891,7 +848,6 @@ def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_sa
     for background in (False, True):
         strategy = replace(CODES_INLINE, plan_in_background=background)
         session = deferred_session(compressed, GatedFetcher(compressed.rows), strategy=strategy)
-        assert session.value_term is not None
         cache = view_cache(model, compressed, page_rows=2)
         token, steps = compressed.first_token, []
         for _ in range(STEPS):
@@ -899,15 +855,52 @@ def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_sa
             steps.append((step.logits[0], step.outcomes["req"]))
             token = int(step.logits[0].argmax())
         runs[background] = steps
+    return runs[False], runs[True], scored
+
+
+def test_plans_made_beside_the_step_recall_what_the_decode_thread_would(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scored layer by layer on the planner thread as the step runs, chosen and fetched there:
+    the same pages land before the same steps, so every step's logits are the same to the bit;
+    only the step that asked reports PLANNING instead of FETCHING with its pages."""
+    compressed = compress(model, CODES_KNOBS, seed=3)
+    inline, beside, scored = inline_and_beside(model, compressed, monkeypatch)
+    for index, ((want, asked), (got, outcome)) in enumerate(zip(inline, beside, strict=True)):
+        assert torch.equal(got, want)
+        if index == 0:  # the cue step recomputes on the decode thread in both
+            assert outcome.status is asked.status is RecallStatus.RECALLED
+        elif index == 1:
+            assert asked.status is RecallStatus.FETCHING and asked.fetching
+            assert outcome.status is RecallStatus.PLANNING and not outcome.fetching
+        else:
+            assert outcome.status is asked.status is RecallStatus.RECALLED
+            assert outcome.pages == asked.pages == inline[index - 1][1].fetching
+            assert outcome.rows == asked.rows and outcome.successor == asked.successor
+    layers = model.config.num_layers
+    assert len(scored) == layers * (STEPS - 1)  # every deferred step, layer by layer
+    assert all(name.startswith("recall-plan") and not logits for name, logits in scored)
+
+
+def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_same(
+    model: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the omitted-value term computed on the decode thread as each layer attends, the
+    planner thread scores that layer from the term's code logits (never the table again) as
+    the step runs: every step's logits equal the plan made on the decode thread, to the bit,
+    and the same pages land before the same steps."""
+    compressed = compress(model, replace(CODES_KNOBS, code_bits=4, value_term=True), seed=3)
+    assert compressed.summaries.page_value_mean is not None
+    inline, beside, scored = inline_and_beside(model, compressed, monkeypatch)
     recalled = 0
-    for index, ((want, asked), (got, outcome)) in enumerate(zip(*runs.values(), strict=True)):
+    for index, ((want, asked), (got, outcome)) in enumerate(zip(inline, beside, strict=True)):
         assert torch.equal(got, want)
         if index >= 2:
             assert outcome.pages == asked.pages and outcome.status is asked.status
             recalled += outcome.status is RecallStatus.RECALLED
     assert recalled > 0
     assert len(scored) == model.config.num_layers * (STEPS - 1)
-    assert all(name.startswith("recall-plan") and from_logits for name, from_logits in scored)
+    assert all(name.startswith("recall-plan") and logits for name, logits in scored)
 
 
 @pytest.mark.parametrize("fallback", list(TimeoutFallback))
