@@ -292,6 +292,10 @@ class DecodeCache(SlottedCache):
         self._pages = torch.zeros(shape, dtype=torch.long)  # pages per (layer, slot, owner)
         self._table = torch.zeros((*shape, table_pages), dtype=torch.long)  # page ids
         self._frontier = torch.zeros(batch_capacity, dtype=torch.int64, device=self.device)
+        # Per slot: the request wrote a non-finite K/V row. The pool stores it finite (a padded
+        # plan reads neighbours' rows under its mask), so its attention is made NaN here
+        # instead, and the request fails alone as it would have.
+        self._poisoned = torch.zeros(batch_capacity, dtype=torch.bool, device=self.device)
         self._leases: list[PageLease] = []
         self._own_lease: list[bool] = []
         self._device_table: list[torch.Tensor] | None = None  # per step, off-CPU devices only
@@ -527,6 +531,7 @@ class DecodeCache(SlottedCache):
             for tensor in (self._lengths, self._pages, self._table):
                 tensor[:, slot] = tensor[:, last]
             self._frontier[slot] = self._frontier[last]
+            self._poisoned[slot] = self._poisoned[last]
             self.request_ids[slot] = self.request_ids[last]
             self._leases[slot], self._own_lease[slot] = self._leases[last], self._own_lease[last]
             self._contracts[slot] = self._contracts[last]
@@ -538,6 +543,7 @@ class DecodeCache(SlottedCache):
             self._attention[slot] = moved
         for tensor in (self._lengths, self._pages):
             tensor[:, last] = 0
+        self._poisoned[last] = False
         self.request_ids.pop()
         self._leases.pop()
         self._own_lease.pop()
@@ -632,7 +638,7 @@ class DecodeCache(SlottedCache):
                     out = merge_partial(out, lse, *parts)
             if self._gathered:
                 out = self._attend_gathered(layer, q, out)
-            return out
+            return torch.where(self._poisoned[:batch, None, None], torch.nan, out)
 
         return attend
 
@@ -749,6 +755,9 @@ class DecodeCache(SlottedCache):
         flat, position = self._step_rows[0][layer], self._step_rows[1]
         d_h = self.config.head_dim
         pool = self.pool
+        batch = k.shape[0]
+        self._poisoned[:batch] |= ~(k.isfinite().flatten(1).all(dim=1)
+                                    & v.isfinite().flatten(1).all(dim=1))
         pool.keys.view(-1, d_h).index_copy_(0, flat, _finite(k.reshape(-1, d_h), pool.dtype))
         pool.values.view(-1, d_h).index_copy_(0, flat, _finite(v.reshape(-1, d_h), pool.dtype))
         pool.positions.view(-1).index_copy_(0, flat, position)
@@ -796,7 +805,10 @@ class DecodeCache(SlottedCache):
         d_h = self.config.head_dim
         pool = self.pool
         for given, flat in ((keys, pool.keys.view(-1, d_h)), (values, pool.values.view(-1, d_h))):
-            flat.index_copy_(0, dest, _finite(given[source].to(self.device), pool.dtype))
+            taken = given[source].to(self.device)
+            if not bool(taken.isfinite().all()):
+                self._poisoned[slot] = True
+            flat.index_copy_(0, dest, _finite(taken, pool.dtype))
         pool.positions.view(-1).index_copy_(
             0, dest, positions.to(keys.device)[source].to(self.device, torch.int32))
         self._lengths[:, slot] += counts
@@ -859,6 +871,7 @@ class DecodeCache(SlottedCache):
         self._contracts.append(contract)  # a cache-local one's keys built `_rotary` already
         self._compacted.append(False)
         self._frontier[slot] = frontier
+        self._poisoned[slot] = False
         self._lengths[:, slot] = 0
         self._pages[:, slot] = 0
         return slot
@@ -876,10 +889,13 @@ class DecodeCache(SlottedCache):
         frontier = torch.zeros(slots, dtype=torch.int64, device=self.device)
         frontier[:used] = self._frontier[:used]
         self._frontier = frontier
+        poisoned = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        poisoned[:used] = self._poisoned[:used]
+        self._poisoned = poisoned
 
 
 def _finite(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`rows` as the pool stores them: in its dtype, NaN as 0 and an infinity as the largest
-    finite value. A request whose model produced such a row has lost its answer either way; its
-    row must not turn a neighbour's masked read (a padded plan's) into NaN."""
+    finite value, so a neighbour's masked read (a padded plan's) never meets a NaN. The request
+    that wrote such a row is marked poisoned, and its attention is NaN from then on."""
     return torch.nan_to_num(rows.to(dtype))

@@ -453,7 +453,8 @@ def test_clean_zeroes_only_the_pages_nothing_wrote():
 def test_a_plan_holds_while_owners_grow_in_place_and_non_finite_rows_are_stored_finite():
     """A padded plan is built once and kept while decode steps and appended rows (a recall's)
     grow owners in place across pages, the logits those of the padded reference; a request's
-    NaN and infinite K/V rows are stored finite, so a neighbour's masked read never meets them."""
+    NaN and infinite K/V rows are stored finite, so a neighbour's masked read never meets them,
+    and that request's own logits are NaN (it fails alone, as it would have)."""
     from services.model.padded_cache import PaddedDecodeCache
 
     config = tiny_config()
@@ -488,4 +489,8 @@ def test_a_plan_holds_while_owners_grow_in_place_and_non_finite_rows_are_stored_
     assert bool(k.isfinite().all()) and bool((k[4] == 0).all())
     _, v, _ = cache.rows("c", 1, 0)
     assert bool(v.isfinite().all()) and bool((v[7] == torch.finfo(torch.float32).max).all())
-    assert bool(decode_step(model, cache, [5, 6, 7])[:2].isfinite().all())
+    logits = decode_step(model, cache, [5, 6, 7])
+    assert bool(logits[:2].isfinite().all()) and bool(logits[2].isnan().all())  # "c" fails alone
+    cache.release("c")
+    cache.admit_dense("d", keys, values)  # its slot, clean again
+    assert bool(decode_step(model, cache, [5, 6, 7]).isfinite().all())
