@@ -42,6 +42,9 @@ where RoPE is the identity, so its query and key arrive unrotated).
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -185,13 +188,18 @@ class SlottedCache:
             raise InvalidModelInput("request_id", f"{request_id!r} is not admitted") from None
 
 
+OmittedPart = tuple[torch.Tensor, torch.Tensor]  # log mass [H_q], value [H_q, d_h]
+
+
 class OmittedTerm(Protocol):
     """What the rows a request's cache does not hold would add to one layer's attention:
     given the layer and the request's query there `[H_q, d_h]` (post-RoPE, as the keys), a
     log mass `[H_q]` (log of the summed e^{scale q . k} of those rows; -inf: none) and the
-    value `[H_q, d_h]` it carries, or None when nothing is omitted."""
+    value `[H_q, d_h]` it carries, or None when nothing is omitted. Called once a layer a
+    step, on the decode thread or on the cache's term thread beside it (never on both at
+    once for one term)."""
 
-    def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def __call__(self, layer: int, query: torch.Tensor) -> OmittedPart | None: ...
 
 
 @dataclass
@@ -579,16 +587,15 @@ class DecodeCache(SlottedCache):
             positions[local] = 0
         return positions
 
-    def _layer_terms(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's omitted-value partials of layer l for the batch: log mass `[B, H_q]`
-        (-inf: none) and value `[B, H_q, d_h]`; InvalidModelInput naming the requests whose
-        term answered a shape that is not the layer's, a NaN or +inf mass or a non-finite value
-        (checked once for the batch)."""
+    def _layer_terms(self, layer: int, parts: Sequence[OmittedPart | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's omitted-value partials of layer l for the batch, from each step term's
+        part (`_step_terms` order): log mass `[B, H_q]` (-inf: none) and value `[B, H_q, d_h]`;
+        InvalidModelInput naming the requests whose term answered a shape that is not the
+        layer's, a NaN or +inf mass or a non-finite value (checked once for the batch)."""
         config = self.config
         mass = torch.full((self.batch_size, config.num_q_heads), -torch.inf)
         value = torch.zeros((*mass.shape, config.head_dim))
-        for slot, term in self._step_terms:
-            part = term(layer, q[slot])
+        for (slot, _), part in zip(self._step_terms, parts, strict=True):
             if part is None:
                 continue
             log_mass, term_value = part
@@ -625,13 +632,29 @@ class DecodeCache(SlottedCache):
                     q, pool.keys, pool.values, table, lengths, scale)
             else:
                 hidden = None if window is None else self.frontier() - window
-                out, lse = paged_decode_attention(
-                    q, pool.keys, pool.values, table, lengths, scale, hidden_at_or_before=hidden,
-                    page_positions=pool.positions, plan=self._plan(layer, table, lengths),
-                    with_lse=capture is not None or bool(terms),
-                )
+                # The omitted-value terms need only the query: the term thread starts on them
+                # while this thread attends over the rows, and this thread then takes the
+                # requests it has not begun (the kernel and torch's ops let go of the
+                # interpreter lock, so both cores work).
+                work = _TermWork(terms, layer, q) if terms else None
+                pending = None if work is None else _term_thread().submit(work.run)
+                try:
+                    out, lse = paged_decode_attention(
+                        q, pool.keys, pool.values, table, lengths, scale,
+                        hidden_at_or_before=hidden, page_positions=pool.positions,
+                        plan=self._plan(layer, table, lengths),
+                        with_lse=capture is not None or bool(terms),
+                    )
+                    if work is not None:
+                        work.run()
+                finally:
+                    if pending is not None:  # never leave a step with a term still running
+                        concurrent.futures.wait([pending])
+                parts = None
+                if work is not None and pending is not None:
+                    pending.result()  # the term thread's error, if it raised
+                    parts = self._layer_terms(layer, work.parts)
                 # The terms first: a capture's `on_layer` may read what they computed.
-                parts = self._layer_terms(layer, q) if terms and lse is not None else None
                 if capture is not None and lse is not None:
                     capture.record(layer, q, lse)  # the rows' own, without the term
                 if parts is not None and lse is not None:
@@ -899,3 +922,28 @@ def _finite(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     finite value, so a neighbour's masked read (a padded plan's) never meets a NaN. The request
     that wrote such a row is marked poisoned, and its attention is NaN from then on."""
     return torch.nan_to_num(rows.to(dtype))
+
+
+class _TermWork:
+    """One layer's omitted-value terms of a step's requests, each computed by whichever thread
+    takes it first (`DecodeCache.attention`): `run` on two threads computes every part once."""
+
+    def __init__(self, terms: Sequence[tuple[int, OmittedTerm]], layer: int,
+                 q: torch.Tensor) -> None:
+        self._terms, self._layer, self._q = terms, layer, q
+        self._next = itertools.count()  # `next` is atomic under the interpreter lock
+        self.parts: list[OmittedPart | None] = [None] * len(terms)
+
+    def run(self) -> None:
+        terms = self._terms
+        while (i := next(self._next)) < len(terms):
+            slot, term = terms[i]
+            self.parts[i] = term(self._layer, self._q[slot])
+
+
+@functools.cache
+def _term_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's one thread that computes the omitted-value terms of a layer beside its
+    paged attention (`DecodeCache.attention`); one, because the decode loop runs one step at a
+    time and one torch thread leaves one core for it."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-terms")

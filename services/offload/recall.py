@@ -247,9 +247,10 @@ class RecallStrategy:
     # (a stale term moves a tiny model's logits away from the full cache's as often as
     # towards it: tests/services/offload/test_offload_recall.py).
     term_refresh_steps: int = 1
-    # After pages were recalled, between refreshes: True computes the term afresh from the
-    # layer's query (a full scoring of the layer again); False takes the recalled pages out
-    # of the last term (`LayerTerm.without`, their masses as that term's query saw them).
+    # After pages were recalled from a layer, between refreshes: True computes that layer's
+    # term afresh from its query (a full scoring of the layer again); False takes the
+    # recalled pages out of its last term (`LayerTerm.without`, their masses as that term's
+    # query saw them). The layers no page was recalled from keep their last term either way.
     term_refresh_on_recall: bool = False
     # Codes ranking: score only the `sketch_candidates` pages the page sketch ranks best
     # (`bound.sketched_code_log_odds`, mean estimate + `sketch_width` standard deviations)
@@ -845,6 +846,8 @@ class RecallSession:
         self.state = successor
         for page in pages:
             self._live[self.summaries.global_index(page.ref)] = False
+        if self.value_term is not None:  # before any step reads the term again (a rerun too)
+            self.value_term.recount()
         rows = sum(int(page.positions.shape[0]) for page in pages)
         nbytes = sum(page.nbytes for page in pages)
         self.recalled_rows += rows
@@ -872,9 +875,10 @@ class ValueTermSource:
     Computed afresh, from the layer's own query, at every evaluated step (the step's recall
     plan then reads the code logits it computed instead of scoring again) and every
     `term_refresh_steps` of the strategy; in between each layer reuses its last term, with
-    the pages recalled since taken out at once (`LayerTerm.without`: their masses as that
-    query saw them; or the term computed afresh, `RecallStrategy.term_refresh_on_recall`). `live` is the session's tensor of pages still omitted (updated in place
-    as pages are recalled)."""
+    the pages recalled from that layer since taken out at once (`LayerTerm.without`: their
+    masses as that query saw them; or the term computed afresh,
+    `RecallStrategy.term_refresh_on_recall`). `live` is the session's tensor of pages still
+    omitted (updated in place as pages are recalled, then `recount`)."""
 
     def __init__(self, summaries: PageSummaries, live: torch.Tensor, *,
                  refresh_on_recall: bool = False) -> None:
@@ -886,10 +890,13 @@ class ValueTermSource:
         self._scale = 1.0
         layers = summaries.num_layers
         self._terms: list[LayerTerm | None] = [None] * layers
-        self._term_live = [-1] * layers  # live pages when each layer's term was last updated
+        # Each layer's live pages when its term was last updated: a recall takes pages out
+        # of the terms of the layers it recalled from, and leaves the other layers' as they are.
+        self._term_live = [-1] * layers
         self._fresh_layers: set[int] = set()  # layers computed afresh at this step
         self._fresh = True
         self._live_count = -1  # live pages when `_bias` and `_grid` were built
+        self._layer_live: list[int] = [-1] * layers  # of them, each layer's
         self._bias: torch.Tensor | None = None  # `live_bias` of the live pages
         self._grid: torch.Tensor | None = None  # `live_grid` of the live pages
         self._ahead: AheadTerms | None = None  # computed beside the last evaluated step
@@ -905,32 +912,42 @@ class ValueTermSource:
         when every layer of them is done (else they are dropped, never half taken)."""
         self._fresh = fresh
         self._fresh_layers = set()
+        self.recount()
         ahead, self._ahead = self._ahead, None
         if take_ahead and ahead is not None and ahead.complete():
             for layer, term in enumerate(ahead.terms):
-                self._terms[layer], self._term_live[layer] = term, ahead.live
+                self._terms[layer], self._term_live[layer] = term, ahead.layer_live[layer]
 
     def ahead(self) -> AheadTerms:
         """On the decode thread, before an evaluated step whose term is computed beside it:
         what the planner thread computes each layer's term with (the live pages now)."""
         assert self._readers is not None, "bind() first"
+        self.recount()
+        assert self._bias is not None
+        batch = AheadTerms(self.summaries, self._readers, self._bias, self._scale,
+                           list(self._layer_live))
+        self._ahead = batch
+        return batch
+
+    def recount(self) -> int:
+        """The live pages now; the live slot bias and page grid rebuilt if pages were recalled
+        since they were built. Pages are recalled on the decode thread between steps (the
+        session recounts as it adopts them), never while a step runs, so the layer calls of
+        a step read the count and never take it."""
         live = int(self._live.sum())
         if live != self._live_count or self._bias is None:
             self._bias = live_bias(self.summaries, self._live)
             self._grid = live_grid(self.summaries, self._live)
             self._live_count = live
-        batch = AheadTerms(self.summaries, self._readers, self._bias, self._scale, live)
-        self._ahead = batch
-        return batch
+            self._layer_live = self._grid.view(self.summaries.num_layers, -1).sum(dim=1).tolist()
+        return live
 
     def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        live = int(self._live.sum())
-        if live == 0:
+        if self._live_count < 0:  # asked before any step began
+            self.recount()
+        if self._live_count == 0:
             return None
-        if live != self._live_count:  # pages recalled since: they leave the term
-            self._bias = live_bias(self.summaries, self._live)
-            self._grid = live_grid(self.summaries, self._live)
-            self._live_count = live
+        live = self._layer_live[layer]
         term = self._terms[layer]
         recalled = self._term_live[layer] != live
         if term is None or self._fresh or (recalled and self._refresh_on_recall):
@@ -1025,9 +1042,9 @@ class AheadTerms:
     same code logits."""
 
     def __init__(self, summaries: PageSummaries, readers: torch.Tensor, bias: torch.Tensor,
-                 scale: float, live: int) -> None:
+                 scale: float, layer_live: list[int]) -> None:
         self.summaries, self.readers, self.bias, self.scale = summaries, readers, bias, scale
-        self.live = live  # live pages the terms count
+        self.layer_live = layer_live  # each layer's live pages the terms count
         self.terms: list[LayerTerm | None] = [None] * summaries.num_layers
 
     def complete(self) -> bool:

@@ -3,11 +3,14 @@ brute-force recomputation, logits unchanged) and undoing the step just committed
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+
 import pytest
 import torch
 
 from services.kvpolicy.packing import pack
-from services.model import DecodeCache, InvalidModelInput, StepCapture, decode_step
+from services.model import DecodeCache, InvalidModelInput, StepCapture, decode_step, kvcache
 from services.model.config import parse_model_config
 from services.model.layers import apply_rotary
 from services.model.model import CausalLM
@@ -258,3 +261,69 @@ def test_a_malformed_term_is_refused_naming_the_request(mass: torch.Tensor,
     with pytest.raises(InvalidModelInput, match="'req': layer 0") as error:
         decode_step(model, cache, [7])
     assert error.value.field == "omitted_term"
+
+
+class InlineThread:
+    """A term thread that runs what it is handed at once, on the caller's thread."""
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def test_a_layers_terms_run_on_two_threads_side_by_side_and_merge_as_on_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's term thread starts on a layer's terms as the layer attends and the decode
+    thread takes the ones it has not begun: request "req"'s term waits until "b"'s has
+    started, which only a second thread can do. Each term is asked once a layer, and the step
+    equals the one whose terms all ran on the decode thread, to the bit."""
+    model = tiny_llama()
+    k, v, selected, owner_map = _prompt(model, False)
+
+    def batch(wait: bool) -> tuple[DecodeCache, dict[str, list[str]], list[bool]]:
+        cache = ragged_cache(model, expand=False)
+        cache.admit_dense("b", k[:, :, :5], v[:, :, :5])
+        exact = ExactTerm(cache, k, v, selected, owner_map)
+        threads: dict[str, list[str]] = {"req": [], "b": []}
+        met: list[bool] = []
+        started = threading.Event()
+
+        def term_a(layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            threads["req"].append(threading.current_thread().name)
+            if wait and layer == 0:
+                met.append(started.wait(timeout=10.0))
+            return exact(layer, q)
+
+        def term_b(layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            threads["b"].append(threading.current_thread().name)
+            started.set()
+            return torch.full((q.shape[0],), 0.5 * layer), q * 0.25
+
+        cache.set_omitted_term("req", term_a)
+        cache.set_omitted_term("b", term_b)
+        return cache, threads, met
+
+    cache, threads, met = batch(wait=True)
+    side_by_side = decode_step(model, cache, [7, 4])
+    assert met == [True]  # "b" started while "req" waited: on the other thread
+    assert threads["req"][0] != threads["b"][0]
+    assert len(threads["req"]) == len(threads["b"]) == model.config.num_layers
+    monkeypatch.setattr(kvcache, "_term_thread", InlineThread)
+    cache, threads, _ = batch(wait=False)
+    assert torch.equal(decode_step(model, cache, [7, 4]), side_by_side)
+    assert set(threads["req"]) | set(threads["b"]) == {threading.current_thread().name}
+
+
+def test_a_term_that_raises_on_the_term_thread_fails_the_step_and_the_cache_goes_on() -> None:
+    model = tiny_llama()
+    cache = ragged_cache(model, expand=False)
+
+    def broken(layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError(f"term of layer {layer} broke")
+
+    cache.set_omitted_term("req", broken)
+    with pytest.raises(RuntimeError, match="term of layer 0 broke"):
+        decode_step(model, cache, [7])
+    cache.clear_omitted_term("req")
+    assert torch.isfinite(decode_step(model, cache, [7])).all()

@@ -1044,6 +1044,10 @@ def test_the_value_term_is_fresh_when_due_and_reused_between(model: CausalLM) ->
     fewer = omitted_value_term(summaries, logits, session._live)
     torch.testing.assert_close(again[0], fewer.log_mass[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(again[1], fewer.value[0], atol=1e-4, rtol=0)
+    # The pages came from layer 0 only: layer 1's term is left as it was, not recomputed.
+    assert set((summaries.page_segment[:3] // summaries.num_owners).tolist()) == {0}
+    kept = term(1, torch.randn(4, 8, generator=gen))
+    assert kept is not None and kept[0] is parts[1][0] and kept[1] is parts[1][1]
     session._live[:] = False
     term.begin_step(fresh=True)
     assert term(0, queries[0]) is None
