@@ -592,22 +592,23 @@ class DecodeCache(SlottedCache):
         part (`_step_terms` order): log mass `[B, H_q]` (-inf: none) and value `[B, H_q, d_h]`;
         InvalidModelInput naming the requests whose term answered a shape that is not the
         layer's, a NaN or +inf mass or a non-finite value (checked once for the batch)."""
-        config = self.config
-        mass = torch.full((self.batch_size, config.num_q_heads), -torch.inf)
-        value = torch.zeros((*mass.shape, config.head_dim))
+        heads, dim = self.config.num_q_heads, self.config.head_dim
+        masses = [torch.full((heads,), -torch.inf)] * self.batch_size  # no term: no mass
+        values = [torch.zeros(heads, dim)] * self.batch_size
         for (slot, _), part in zip(self._step_terms, parts, strict=True):
             if part is None:
                 continue
             log_mass, term_value = part
-            if tuple(log_mass.shape) != tuple(mass.shape[1:]) or tuple(
-                    term_value.shape) != tuple(value.shape[1:]):
+            if log_mass.shape != (heads,) or term_value.shape != (heads, dim):
                 raise InvalidModelInput("omitted_term", f"{self.request_ids[slot]!r}: layer "
                                         f"{layer} answered {tuple(log_mass.shape)} / "
                                         f"{tuple(term_value.shape)}")
-            mass[slot], value[slot] = log_mass, term_value
-        bad = torch.isnan(mass).any(dim=1) | (mass == torch.inf).any(dim=1)
-        bad |= ~torch.isfinite(value).flatten(1).all(dim=1)
-        if bool(bad.any()):
+            masses[slot], values[slot] = log_mass, term_value
+        mass, value = torch.stack(masses).float(), torch.stack(values).float()
+        # Below +inf (-inf is no mass; NaN compares false) and finite: one check for the batch,
+        # and the requests named only when it fails.
+        if not bool((mass < torch.inf).all()) or not bool(torch.isfinite(value).all()):
+            bad = ~(mass < torch.inf).all(dim=1) | ~torch.isfinite(value).flatten(1).all(dim=1)
             named = [repr(self.request_ids[s]) for s in torch.nonzero(bad)[:, 0].tolist()]
             raise InvalidModelInput("omitted_term", f"{', '.join(named)}: layer {layer} "
                                     "answered a non-finite part")

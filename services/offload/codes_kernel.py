@@ -140,6 +140,26 @@ torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, 
   return out;
 }
 
+// e^x for x <= 88 within about 2 ulp, 0 below -87 (so e^-inf is 0): Cody-Waite reduction to
+// 2^n e^r, |r| <= ln2 / 2, and a degree-6 polynomial (Cephes' expf). Written so a slot loop
+// vectorizes: std::exp without -ffast-math is one scalar call a slot, and so is std::floor.
+inline float exp_approx(float x) {
+  const float z = std::min(std::max(x, -87.f), 88.f);
+  const float n = (z * 1.44269504088896341f + 12582912.f) - 12582912.f;  // rounded (1.5 * 2^23)
+  const float r = z - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.f ? 0.f : p * scale;
+}
+
 // Per page of `page` consecutive slots (from slot n0 on): logsumexp over its slots of
 // max_g (acc[g][i] - r[g]) + bias[i]; written to out[(n0 + p0) / page].
 void reduce_pages(const float* const* acc, int64_t G, const float* r, const float* bias,
@@ -150,7 +170,8 @@ void reduce_pages(const float* const* acc, int64_t G, const float* r, const floa
     for (int64_t i = 0; i < width; ++i) best[i] = std::max(best[i], acc[g][i] - r[g]);
   for (int64_t i = 0; i < width; ++i) best[i] += bias[i];
   // Each slot less its page's largest (a page of unused slots only: 0 - inf, never NaN), one
-  // vectorized exp over the block, then a sum and a log a page.
+  // vectorized exp over the block (`exp_approx`: std::exp was a scalar call a slot, most of
+  // the reduction's time), then a sum and a log a page.
   alignas(64) float top[kMaxBlock];
   for (int64_t p0 = 0; p0 < width; p0 += page) {
     float m = -INFINITY;
@@ -158,7 +179,7 @@ void reduce_pages(const float* const* acc, int64_t G, const float* r, const floa
     for (int64_t i = p0; i < p0 + page; ++i) top[i] = m == -INFINITY ? 0.f : m;
   }
   #pragma omp simd
-  for (int64_t i = 0; i < width; ++i) best[i] = std::exp(best[i] - top[i]);
+  for (int64_t i = 0; i < width; ++i) best[i] = exp_approx(best[i] - top[i]);
   for (int64_t p0 = 0; p0 < width; p0 += page) {
     float total = 0.f;
     for (int64_t i = p0; i < p0 + page; ++i) total += best[i];
@@ -198,26 +219,6 @@ torch::Tensor block_page_lse(torch::Tensor q, torch::Tensor r, torch::Tensor tab
     }
   }
   return out;
-}
-
-// e^x for x <= 88 within about 2 ulp, 0 below -87 (so e^-inf is 0): Cody-Waite reduction to
-// 2^n e^r, |r| <= ln2 / 2, and a degree-6 polynomial (Cephes' expf). Written so a slot loop
-// vectorizes: std::exp without -ffast-math is one scalar call a slot, and so is std::floor.
-inline float exp_approx(float x) {
-  const float z = std::min(std::max(x, -87.f), 88.f);
-  const float n = (z * 1.44269504088896341f + 12582912.f) - 12582912.f;  // rounded (1.5 * 2^23)
-  const float r = z - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.f ? 0.f : p * scale;
 }
 
 // One segment's term parts from its logits [G, slots] and slot bias [slots]: top[g], the
@@ -407,7 +408,7 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-    return f"v8_{digest}"
+    return f"v9_{digest}"
 
 
 def available() -> bool:
