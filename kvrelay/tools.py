@@ -98,6 +98,38 @@ def eval_recall(
     run(checkpoint or DEMO_CHECKPOINT, config, out, threads)
 
 
+@eval_app.command("followup")
+def eval_followup(
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: " + DEFAULT_MODEL_HELP + ")."),
+    length: int = typer.Option(4096, help="Context tokens of each multi-key prompt."),
+    prompts: int = typer.Option(4, help="Prompts (each asked twice: turn one, then the follow-up)."),
+    budgets: str = typer.Option("0.10,0.25", help="Comma-separated SnapKV budgets (shares of the context rows)."),
+    variants: str = typer.Option("codes,values", help="Comma-separated recall variants: codes, codes-sketch, values, deferred."),
+    tune: bool = typer.Option(False, "--tune", help="The tuning prompts instead of the reported ones."),
+    out: Path | None = typer.Option(None, help="Directory for report.md, rows.jsonl and followup.png (default docs/results/followup-smollm2, with --tune its tune/ folder)."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+) -> None:
+    """A second question about the same compressed context, without prefilling it again: both turns' accuracy, recall and time, next to the full cache and irrecoverable SnapKV."""
+    from services.evaluation import recall_ruler
+    from services.evaluation.followup import FollowUpConfig, run
+    from services.evaluation.ruler_suite import REPORT_SEED, TUNE_SEED
+
+    known = {v.name: v for v in (recall_ruler.CODES, recall_ruler.CODES_SKETCH, recall_ruler.VALUES,
+                                 recall_ruler.DEFERRED)}
+    try:
+        chosen = tuple(known[name.strip()] for name in variants.split(","))
+    except KeyError as exc:
+        raise typer.BadParameter(f"unknown variant {exc}; one of {', '.join(known)}", param_hint="--variants") from None
+    try:
+        config = FollowUpConfig(length=length, prompts=prompts,
+                                budgets=tuple(float(b) for b in budgets.split(",")), variants=chosen,
+                                seed=TUNE_SEED if tune else REPORT_SEED)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    target = out or Path("docs/results/followup-smollm2") / ("tune" if tune else "")
+    run(served_checkpoint(checkpoint), config, target, threads)
+
+
 @eval_app.command("retention")
 def eval_retention(
     checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: " + DEFAULT_MODEL_HELP + ")."),

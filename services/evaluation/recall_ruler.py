@@ -224,7 +224,7 @@ class Row:
 
 
 @dataclass
-class _Request:
+class SuiteRequest:
     rid: str
     policy: str
     budget: float | None
@@ -295,7 +295,7 @@ class RecallRulerRunner:
     def request(
         self, key: tuple[str, float | None], manifest: KVVisibilityPolicyManifest,
         prompt: ruler.RulerPrompt, index: int, shared: object,
-    ) -> _Request:
+    ) -> SuiteRequest:
         self._ids += 1
         rid = f"e{self._ids}"
         compressed = compress_prompt(self.loaded, manifest, list(prompt.prefix), None,
@@ -304,7 +304,7 @@ class RecallRulerRunner:
         if manifest.recoverability.recallable:
             variant = next(v for v in self.config.variants if key[0] == f"snapkv+{v.name}")
             session = self._session(rid, compressed, variant.strategy)
-        return _Request(rid, key[0], key[1], prompt, index, compressed, session)
+        return SuiteRequest(rid, key[0], key[1], prompt, index, compressed, session)
 
     def _session(
         self, rid: str, compressed: CompressedPrompt, strategy: RecallStrategy
@@ -321,7 +321,7 @@ class RecallRulerRunner:
         return RecallSession(manifest, plan.summaries, StoreFetcher(self.store, key),
                              state=state, strategy=strategy)
 
-    def decode(self, group: list[_Request]) -> list[Row]:
+    def decode(self, group: list[SuiteRequest]) -> list[Row]:
         """Teacher-force the cue, then greedy answers, for the whole batch; timed."""
         loaded = self.loaded
         limit = max(r.prompt.max_new_tokens for r in group)
@@ -331,14 +331,14 @@ class RecallRulerRunner:
         # (`decode_worker.accept.handoff_reservation_bytes`); a private pool grown in the middle
         # of a timed step copies every request's pages (~67 ms once at batch 8, 4K).
         cache = DecodeCache(loaded.config, loaded.dtype, loaded.device, batch_capacity=len(group),
-                            row_capacity=rows + limit + 2 + max(map(_recall_rows, group)))
+                            row_capacity=rows + limit + 2 + max(map(recall_rows, group)))
         by_id = {r.rid: r for r in group}
         for r in group:
             cache.admit_view(r.rid, r.compressed.view, frontier=r.compressed.forward.prompt_len)
         try:
             cue = group[0].prompt.cue
             started = time.perf_counter()
-            logits = self._step(cache, [cue[-1]] * len(group), by_id)
+            logits = self.step(cache, [cue[-1]] * len(group), by_id)
             cue_s = time.perf_counter() - started
             for r in group:
                 r.cue_s = cue_s
@@ -355,7 +355,7 @@ class RecallRulerRunner:
                 if by_id:
                     full = len(by_id) == len(group)
                     started, cpu = time.perf_counter(), time.process_time()
-                    logits = self._step(cache, [by_id[rid].tokens[-1] for rid in cache.request_ids],
+                    logits = self.step(cache, [by_id[rid].tokens[-1] for rid in cache.request_ids],
                                         by_id)
                     if full:
                         elapsed, used = time.perf_counter() - started, time.process_time() - cpu
@@ -367,15 +367,15 @@ class RecallRulerRunner:
                 self.store.release(r.rid)
         return [self._row(r, len(group)) for r in group]
 
-    def _step(self, cache: DecodeCache, tokens: list[int], by_id: dict[str, _Request]
-              ) -> torch.Tensor:
+    def step(self, cache: DecodeCache, tokens: list[int], by_id: dict[str, SuiteRequest]
+             ) -> torch.Tensor:
         sessions = {rid: r.session for rid, r in by_id.items() if r.session is not None}
         step = decode_with_recall(self.loaded.model, cache, tokens, sessions)
         for rid, outcome in step.outcomes.items():
             by_id[rid].outcomes.append(outcome)
         return step.logits  # [B, V]
 
-    def _row(self, r: _Request, batch: int) -> Row:
+    def _row(self, r: SuiteRequest, batch: int) -> Row:
         spec = r.prompt.spec
         output = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         recalled = [o for o in r.outcomes if o.status is RecallStatus.RECALLED]
@@ -393,7 +393,7 @@ class RecallRulerRunner:
         )
 
 
-def _recall_rows(request: _Request) -> int:
+def recall_rows(request: SuiteRequest) -> int:
     """Rows one recall may add to an owner of `request` (0 without recall)."""
     contract = request.compressed.manifest.recoverability
     if not contract.recallable:

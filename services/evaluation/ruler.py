@@ -51,6 +51,8 @@ from services.model.tokenizer import ChatMessage, TextTokenizer
 
 NOISE_UNIT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+NIAH_QUESTION = "What is the special magic number for {key}?"
+NIAH_ANSWER_PREFIX = "Answer: The special magic number is"
 VT_FIRST = "VAR {name} = {value}."
 VT_HOP = "VAR {name} = VAR {previous}."
 NIAH_INSTRUCTION = (
@@ -141,12 +143,14 @@ class PromptSpec:
 
 @dataclass(frozen=True)
 class Needle:
-    """One inserted sentence, its depth, and the answer it carries (None for distractors)."""
+    """One inserted sentence, its depth, the value it carries, whether the question asks for
+    it (False for a multi-key prompt's other keys), and its key ("" for variable tracking)."""
 
     text: str
     depth: float
     value: str
     answer: bool
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -216,21 +220,21 @@ def _task(spec: PromptSpec, rng: random.Random) -> tuple[tuple[Needle, ...], str
     key = keys[0]
     if spec.task is Task.NIAH_MULTIVALUE:
         needles = [
-            Needle(NIAH_NEEDLE.format(key=key, value=v), (spec.depth + j / count) % 1.0, v, True)
+            Needle(NIAH_NEEDLE.format(key=key, value=v), (spec.depth + j / count) % 1.0, v, True,
+                   key)
             for j, v in enumerate(values[:count])
         ]
         question = f"What are all the special magic numbers for {key}?"
         prefix = "Answer: The special magic numbers are"
         return tuple(needles), question, prefix, NIAH_INSTRUCTION
-    needles = [Needle(NIAH_NEEDLE.format(key=key, value=values[0]), spec.depth, values[0], True)]
+    needles = [Needle(NIAH_NEEDLE.format(key=key, value=values[0]), spec.depth, values[0], True,
+                      key)]
     if spec.task is Task.NIAH_MULTIKEY:
         needles += [
-            Needle(NIAH_NEEDLE.format(key=k, value=v), rng.random(), v, False)
+            Needle(NIAH_NEEDLE.format(key=k, value=v), rng.random(), v, False, k)
             for k, v in zip(keys[1:], values[1:MULTIKEY_NEEDLES], strict=True)
         ]
-    question = f"What is the special magic number for {key}?"
-    prefix = "Answer: The special magic number is"
-    return tuple(needles), question, prefix, NIAH_INSTRUCTION
+    return tuple(needles), NIAH_QUESTION.format(key=key), NIAH_ANSWER_PREFIX, NIAH_INSTRUCTION
 
 
 def _variable_tracking(
