@@ -66,7 +66,7 @@ class DecodeWorker:
             loaded = await asyncio.to_thread(load, config.checkpoint, config.device, config.dtype)
         # The codes ranking's kernel, built (once a machine) or loaded before the first request
         # can need it: a build inside a request's step would stall the batch for seconds.
-        kernel = await asyncio.to_thread(codes_kernel.available)
+        kernel = await asyncio.to_thread(codes_kernel.describe)
         receiver = await asyncio.to_thread(KVReceiver, config.transfer, config.device)
         scheduler = DecodeScheduler(loaded, config.scheduler)
         scheduler.start()
@@ -89,8 +89,7 @@ class DecodeWorker:
             raise
         log.info(
             "decode worker %s on %s, rendezvous %s, model %s, codes kernel %s",
-            config.worker_id, rpc.address, receiver.address, loaded.path,
-            "built" if kernel else "unavailable (torch fallback)",
+            config.worker_id, rpc.address, receiver.address, loaded.path, kernel,
         )
         return cls(config, rpc, servicer, executor)
 

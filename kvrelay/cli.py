@@ -311,6 +311,23 @@ def convert(
     typer.echo(f"wrote {out}")
 
 
+@app.command("build-kernels")
+def build_kernels(
+    out_dir: Path = typer.Argument(..., help="Folder to write the kernels and their manifest into (created)."),
+    levels: str | None = typer.Option(None, help="Comma-separated CPU levels (default: every level of this machine: x86-64-v4, x86-64-v3, x86-64; elsewhere baseline)."),
+) -> None:
+    """Build the codes-ranking kernel ahead for each CPU level, for a decode worker without a compiler (KVRELAY_CODES_KERNELS)."""
+    from services.offload import codes_kernel
+
+    try:
+        written = codes_kernel.prebuild(out_dir, levels.split(",") if levels else None)
+    except (ValueError, RuntimeError) as exc:
+        typer.echo(f"kvrelay build-kernels: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for path in written:
+        typer.echo(f"wrote {path}")
+
+
 @app.command()
 def codegen(check: bool = typer.Option(False, help="Only verify that the committed stubs are current.")) -> None:
     """Regenerate services/rpc/kvrelay/v1 from proto/ (the only schema)."""

@@ -249,6 +249,7 @@ def serve_decode(
     log_level: str = typer.Option("INFO", envvar="KVRELAY_LOG_LEVEL"),
     log_format: str = typer.Option("text", envvar="KVRELAY_LOG_FORMAT", help="text, or json: one object per line with trace_id, span_id, request_id."),
     metrics_port: int = typer.Option(9094, envvar="KVRELAY_DECODE_METRICS_PORT", help="Prometheus /metrics port on --host (0: off)."),
+    codes_kernels: Path | None = typer.Option(None, envvar="KVRELAY_CODES_KERNELS", help="Folder of codes-ranking kernels built ahead (`kvrelay build-kernels`): the best one this CPU runs is loaded before a build is tried (the image's final stage has no compiler). Unset: built for this CPU at start-up, else torch scores."),
     *,
     security: TransportSecurity,
 ) -> None:
@@ -258,10 +259,13 @@ def serve_decode(
 
     from decode_worker.config import DecodeWorkerConfig, SchedulerConfig
     from decode_worker.server import serve
+    from services.offload import codes_kernel
     from services.rpc.server import ServerConfig
     from services.telemetry.process import TelemetryConfig, observed
     from services.transfer import PairGroupConfig
 
+    if codes_kernels is not None:
+        codes_kernel.use_prebuilt(codes_kernels)
     wildcard = host in ("0.0.0.0", "::", "")
     config = DecodeWorkerConfig(
         checkpoint=served_checkpoint(checkpoint),

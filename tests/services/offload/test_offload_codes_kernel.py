@@ -3,15 +3,23 @@ the torch fallback against the kernel (services/offload/codes_kernel.py)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from services.offload import codes_kernel
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _case(seed: int, segments: int, group: int, dim: int, slots: int, page: int
@@ -201,3 +209,73 @@ def test_the_kernel_lets_other_python_threads_run_while_it_scores() -> None:
         stop.set()
         counter.join(timeout=5.0)
     assert during > 1000 * calls / 20, f"{during} ticks over {calls} kernel calls"
+
+
+def test_the_best_prebuilt_level_a_cpu_runs_is_chosen() -> None:
+    v3 = set(codes_kernel.X86_64_LEVELS[1].needs)
+    v4 = v3 | set(codes_kernel.X86_64_LEVELS[0].needs)
+    every = [level.name for level in codes_kernel.X86_64_LEVELS]
+    assert codes_kernel.level_for("x86_64", frozenset(v4), every).name == "x86-64-v4"
+    assert codes_kernel.level_for("x86_64", frozenset(v4 - {"avx512vl"}), every).name == "x86-64-v3"
+    assert codes_kernel.level_for("x86_64", frozenset(v3 - {"fma"}), every).name == "x86-64"
+    assert codes_kernel.level_for("x86_64", frozenset(v4), ["x86-64-v3"]).name == "x86-64-v3"
+    assert codes_kernel.level_for("x86_64", frozenset(v3), ["x86-64-v4"]) is None
+    assert codes_kernel.level_for("aarch64", frozenset(), ["baseline"]).name == "baseline"
+    assert codes_kernel.level_for("aarch64", frozenset(), every) is None
+
+
+_SCORE_WITHOUT_A_COMPILER = """
+import math, sys, torch
+from services.offload import codes_kernel
+gen = torch.Generator().manual_seed(7)
+table = torch.randn(4, 16, 96, generator=gen).to(torch.bfloat16)
+query = torch.randn(4, 3, 16, generator=gen) * 0.5
+bias = torch.zeros(4, 96)
+grid = torch.randn(4, 12, 16, generator=gen).to(torch.bfloat16)
+block = codes_kernel.table_block(8, 96)
+blocked = codes_kernel.to_blocks(table, block)
+logits = codes_kernel.block_logits(query, blocked, 16, block)
+want = torch.einsum("sgd,sdn->sgn", query.double(), table.double())
+_, _, mass, value = codes_kernel.value_term_of(logits, bias, grid, 8)
+want_mass = want.logsumexp(dim=2)
+weights = want.exp().view(4, 3, 12, 8).sum(dim=3)
+want_value = torch.einsum("sgp,spd->sgd", weights / weights.sum(dim=2, keepdim=True), grid.double())
+print(codes_kernel.describe(), float((logits.double() - want).abs().max()),
+      float((mass.double() - want_mass).abs().max()), float((value.double() - want_value).abs().max()))
+"""
+
+
+def _score_in_a_process_without_a_compiler(kernels: Path, tmp_path: Path) -> list[str]:
+    """Scores in a child process that can build nothing (no compiler on PATH, an empty
+    extensions folder), with `kernels` as the prebuilt folder: what it used and its errors."""
+    env = {**os.environ, "PATH": str(tmp_path / "no-bin"), "CXX": str(tmp_path / "no-bin" / "c++"),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
+           codes_kernel.KERNELS_ENV: str(kernels), "PYTHONPATH": str(REPO)}
+    child = subprocess.run([sys.executable, "-c", _SCORE_WITHOUT_A_COMPILER], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert child.returncode == 0, child.stderr[-2000:]
+    return child.stdout.strip().rsplit(" ", 3)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("c++") is None
+                    or not codes_kernel.X86_64_LEVELS[1].needs <= codes_kernel._cpu_flags(),
+                    reason="builds the x86-64-v3 kernel: an x86-64-v3 CPU and a compiler")
+def test_a_kernel_built_ahead_scores_where_nothing_can_be_built(tmp_path: Path) -> None:
+    kernels = tmp_path / "kernels"
+    written = codes_kernel.prebuild(kernels, ["x86-64-v3"])
+    assert [path.name for path in written] == ["kvrelay_codes_kernel_v9_x86_64_v3.so"]
+    kind, *errors = _score_in_a_process_without_a_compiler(kernels, tmp_path)
+    assert kind == "prebuilt x86-64-v3"
+    assert all(float(error) < 1e-4 for error in errors), errors  # float32 sums, as built here
+    # Built from another source (or for another torch): never loaded; torch scores instead.
+    manifest = json.loads((kernels / "kernels.json").read_text())
+    (kernels / "kernels.json").write_text(json.dumps({**manifest, "source": "0" * 12}))
+    kind, *errors = _score_in_a_process_without_a_compiler(kernels, tmp_path)
+    assert kind == "unavailable (torch fallback)"
+    assert all(float(error) < 0.1 for error in errors), errors  # torch's bfloat16 product
+
+
+def test_unknown_levels_are_refused_before_anything_is_built(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="x86-64-v9"):
+        codes_kernel.prebuild(tmp_path / "kernels", ["x86-64-v9"])
+    assert not (tmp_path / "kernels").exists()
