@@ -68,7 +68,7 @@ def _eval_ruler(checkpoint: Path, out: Path, preset: str, threads: int, kvpress:
 @eval_app.command("recall")
 def eval_recall(
     checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the bundled demo checkpoint)."),
-    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts), shared-cpu-8k (8K, single needle x 2 prompts, batch 2) scoring (4K, 2 tasks x 4 prompts, the codes ranking with and without the page sketch), values-ahead (4K, 3 tasks x 4 prompts) or values-ahead-8k (8K, single needle x 3 prompts, batch 3): the omitted-value term computed by the step that reads it and computed ahead."),
+    preset: str = typer.Option("full", help="smoke (one context, 25% budget, 2 prompts) or full (1K/2K, 10/25/50%); --suite ruler: smoke, full (4K, 3 tasks x 8 prompts), shared-cpu (4K, 3 tasks x 4 prompts), shared-cpu-8k (8K, single needle x 2 prompts, batch 2), shared-cpu-8k-tasks (8K, multi-key and multi-value x 2 prompts, batch 2, codes and values, kvpress on 1 prompt), scoring (4K, 2 tasks x 4 prompts, the codes ranking with and without the page sketch), values-ahead (4K, 3 tasks x 4 prompts) or values-ahead-8k (8K, single needle x 3 prompts, batch 3): the omitted-value term computed by the step that reads it and computed ahead."),
     prompts: int | None = typer.Option(None, help="Prompts per (placement, context); default: the preset's."),
     out: Path = typer.Option(Path("recall-eval"), help="Directory for report.md, results.json and recall.png."),
     threads: int = typer.Option(1, help="torch CPU threads."),

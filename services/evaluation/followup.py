@@ -32,7 +32,6 @@ steps.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -313,15 +312,9 @@ class Cell:
     reprefill_ms: float  # the conversation's full prefill, per prompt
 
 
-def answer_number(text: str) -> str:
-    """The first run of digits in an answer ("" when none): what a needle answer names."""
-    found = re.search(r"\d+", text)
-    return "" if found is None else found.group(0)
-
-
 def summarize(rows: Sequence[FollowUpRow]) -> list[Cell]:
     groups: dict[tuple[str, float | None], list[FollowUpRow]] = {}
-    full = {r.index: answer_number(r.followup_output) for r in rows if r.policy == "full"}
+    full = {r.index: ruler.answer_number(r.followup_output) for r in rows if r.policy == "full"}
     for row in rows:
         groups.setdefault((row.policy, row.budget), []).append(row)
     cells = []
@@ -331,7 +324,7 @@ def summarize(rows: Sequence[FollowUpRow]) -> list[Cell]:
         cells.append(Cell(
             policy, budget, len(group), mean(r.first_score for r in group),
             mean(r.followup_score for r in group),
-            mean(answer_number(r.followup_output) == full.get(r.index) != "" for r in group),
+            mean(ruler.answer_number(r.followup_output) == full.get(r.index) != "" for r in group),
             sum(r.recalled_rows for r in group) / omitted if omitted else 0.0,
             mean(r.recalled_bytes for r in group) / 1024, mean(r.fed_tokens for r in group),
             1000 * mean(r.fed_s for r in group), 1000 * mean(steps) if steps else 0.0,

@@ -185,6 +185,11 @@ PRESETS: dict[str, RecallRulerConfig] = {
     "shared-cpu-8k": RecallRulerConfig(lengths=(8192,), prompts=2, tasks=TASKS[:1],
                                        variants=(DEFERRED, CODES, CODES_SKETCH, VALUES),
                                        presses=(), batch=2),
+    # The other two tasks at 8K, for the served variants only (codes and values), two prompts
+    # per cell as one batch of 2, and kvpress on the first prompt of each cell.
+    "shared-cpu-8k-tasks": RecallRulerConfig(lengths=(8192,), prompts=2, tasks=TASKS[1:],
+                                             variants=(CODES, VALUES), kvpress_lengths=(8192,),
+                                             kvpress_prompts=1, batch=2),
     # The codes ranking with and without the page sketch only (single needle and multi-key
     # at 4K, no kvpress): how the sketch was checked on the tuning prompts (`--tune`).
     "scoring": RecallRulerConfig(prompts=4, tasks=TASKS[:2], variants=(CODES, CODES_SKETCH),
@@ -445,12 +450,19 @@ class Cell:
     tpot1_ms: float | None  # the cell's first prompt alone
     cpu_ms: float | None  # CPU time per answer step, batch `batch`
     cpu1_ms: float | None  # CPU time per answer step, batch 1
+    # Of the requests whose full-cache answer names a number, the share whose answer names the
+    # same one (`ruler.answer_number`): whether the compressed cache answers as the full one
+    # does, right or wrong (None: no full-cache answer names a number).
+    same_as_full: float | None = None
+    full_named: int = 0  # the requests compared
 
 
 def summarize(rows: Sequence[Row], batch: int) -> list[Cell]:
     """One cell per (task, length, budget, policy) over the batch runs (kvpress: batch 1)."""
     groups: dict[tuple[str, int, float | None, str], list[Row]] = {}
     alone: dict[tuple[str, int, float | None, str], list[Row]] = {}
+    named = {(r.task, r.length, r.index): ruler.answer_number(r.output) for r in rows
+             if r.policy == "full" and (r.batch > 1 or batch == 1)}
     for r in rows:
         key = (r.task, r.length, r.budget, r.policy)
         if r.engine == "kvpress" or r.batch > 1 or batch == 1:
@@ -465,6 +477,8 @@ def summarize(rows: Sequence[Row], batch: int) -> list[Cell]:
         cpu = [s for r in members[:1] for s in r.step_cpu_s]
         cpu1 = [s for r in alone.get(key, [])[:1] for s in r.step_cpu_s]
         omitted = sum(r.omitted_rows for r in members)
+        compared = [ruler.answer_number(r.output) == named[r.task, r.length, r.index]
+                    for r in members if named.get((r.task, r.length, r.index))]
         cells.append(Cell(
             task=key[0], length=key[1], budget=key[2], policy=key[3], requests=len(members),
             accuracy=mean(r.score for r in members),
@@ -478,6 +492,7 @@ def summarize(rows: Sequence[Row], batch: int) -> list[Cell]:
             tpot1_ms=1000 * mean(single) if single and members[0].engine == "kvrelay" else None,
             cpu_ms=1000 * mean(cpu) if cpu else None,
             cpu1_ms=1000 * mean(cpu1) if cpu1 else None,
+            same_as_full=mean(compared) if compared else None, full_named=len(compared),
         ))
     return cells
 
@@ -496,9 +511,10 @@ def report_tables(cells: Sequence[Cell], variants: Sequence[str], batch: int) ->
     keys = sorted({(c.task, c.length, c.budget) for c in cells if c.budget is not None})
     acc = ["| task | length | budget | full | snapkv | "
            + " | ".join(f"+{v}" for v in variants) + " | gap closed ("
+           + ", ".join(variants) + ") | full cache's number named (snapkv, "
            + ", ".join(variants) + ") | best kvpress |",
            "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in variants)
-           + " | ---: | --- |"]
+           + " | ---: | ---: | --- |"]
     cost = [f"| task | length | budget | variant | recalled % of omitted | recalled KiB/req "
             f"| recalls/req | fetch ms | fallbacks | cue ms (b{batch}) | TPOT b1 ms snapkv / "
             f"recall: wall (ratio), CPU (ratio) | TPOT b{batch} ms snapkv / recall: wall "
@@ -519,6 +535,7 @@ def report_tables(cells: Sequence[Cell], variants: Sequence[str], batch: int) ->
             f"| {task} | {length} | {budget:.0%} | {_pct(full.accuracy)} | {_pct(lossy.accuracy)} | "
             + " | ".join(_pct(c.accuracy) if c else "-" for c in recall) + " | "
             + ", ".join("no gap" if x is None else _pct(x) for x in closed) + " | "
+            + ", ".join(_pct(c.same_as_full) if c else "-" for c in (lossy, *recall)) + " | "
             + (f"{best.policy.removeprefix('kvpress:')} {_pct(best.accuracy)}" if best else "-")
             + " |")
         for name, c in zip(variants, recall, strict=True):
@@ -577,6 +594,7 @@ def goal_lines(cells: Sequence[Cell], variant: str) -> list[str]:
         if presses:
             ahead.append(c.accuracy > max(presses) or c.accuracy == full.accuracy)
     met_gap = [g for g, _ in closed if g >= GOAL_GAP_CLOSED]
+    named = [(c.same_as_full, c.full_named) for c in recall if c.same_as_full is not None]
     return [
         f"- gap closed >= {GOAL_GAP_CLOSED:.0%}: {len(met_gap)} of {len(closed)} cells with a gap "
         f"({', '.join(f'{n}: {_pct(g)}' for g, n in closed) or 'none'})",
@@ -592,6 +610,8 @@ def goal_lines(cells: Sequence[Cell], variant: str) -> list[str]:
         f"the fetches' too): batch 1 {_span(cpu1)}, batch b {_span(cpu_b)}",
         f"- ahead of the best kvpress press (or at the full cache): {sum(ahead)} of {len(ahead)} "
         "cells",
+        f"- names the number the full cache names, right or wrong (not a goal): "
+        f"{sum(round(share * n) for share, n in named)} of {sum(n for _, n in named)} requests",
     ]
 
 

@@ -41,6 +41,7 @@ tokenizer, the spec and the seed.
 from __future__ import annotations
 
 import random
+import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,12 @@ NOISE_UNIT = "The grass is green. The sky is blue. The sun is yellow. Here we go
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
 NIAH_QUESTION = "What is the special magic number for {key}?"
 NIAH_ANSWER_PREFIX = "Answer: The special magic number is"
+
+
+def answer_number(text: str) -> str:
+    """The first run of digits in an answer ("" when none): what a needle answer names."""
+    found = re.search(r"\d+", text)
+    return "" if found is None else found.group(0)
 VT_FIRST = "VAR {name} = {value}."
 VT_HOP = "VAR {name} = VAR {previous}."
 NIAH_INSTRUCTION = (

@@ -37,7 +37,8 @@ torch.set_num_threads(1)
 def row(policy: str, budget: float | None, score: float, batch: int = 2, **kwargs: object) -> Row:
     return Row(engine=str(kwargs.pop("engine", "kvrelay")), policy=policy, budget=budget,
                task="niah_single/noise", length=4096, index=int(kwargs.pop("index", 0)), seed=1,
-               batch=batch, score=score, output="", **kwargs)  # type: ignore[arg-type]
+               batch=batch, score=score, output=str(kwargs.pop("output", "")),
+               **kwargs)  # type: ignore[arg-type]
 
 
 def test_summary_gap_closed_recalled_share_tpot_and_best_press() -> None:
@@ -64,8 +65,8 @@ def test_summary_gap_closed_recalled_share_tpot_and_best_press() -> None:
     assert recall.cpu_ms == pytest.approx(200) and recall.cpu1_ms == pytest.approx(120)
     assert cells["kvpress:expected_attention", 0.25].tpot_ms is None
     tables = report_tables(list(cells.values()), ["today"], batch=2)
-    assert "| niah_single/noise | 4096 | 25% | 100% | 25% | 100% | 100% | expected_attention 75% |" \
-        in tables
+    assert "| niah_single/noise | 4096 | 25% | 100% | 25% | 100% | 100% | -, - | " \
+        "expected_attention 75% |" in tables  # no full-cache answer names a number
     goals = goal_lines(list(cells.values()), "today")
     assert goals[0].startswith("- gap closed >= 90%: 1 of 1")
     assert "recalled <= 5% of omitted rows: 1 of 1" in goals[1]
@@ -74,6 +75,30 @@ def test_summary_gap_closed_recalled_share_tpot_and_best_press() -> None:
         "(worst 1.20x)" in goals[2]
     assert goals[3].endswith("batch 1 1.20-1.20x, batch b 2.00-2.00x")
     assert goals[4].endswith("1 of 1 cells")
+
+
+def test_the_summary_counts_answers_naming_the_full_caches_number_right_or_wrong() -> None:
+    """Where the full cache names a wrong key's number, the accuracy has no gap to close; the
+    share of answers naming the full cache's number still tells a cache that answers as the
+    full one does from one that does not."""
+    rows = [
+        row("full", None, 0.0, output=" 2187945."), row("full", None, 0.0, index=1, output=" 2046742."),
+        row("full", None, 0.0, index=2, output=" The number is hidden."),
+        row("snapkv", 0.1, 0.0, output=" 21."), row("snapkv", 0.1, 0.0, index=1, output=" 2046742"),
+        row("snapkv", 0.1, 0.0, index=2, output=" 7."),
+        row("snapkv+codes", 0.1, 0.0, output=" 2187945.\n"),
+        row("snapkv+codes", 0.1, 0.0, index=1, output=" 2046742. Then 5."),
+        row("snapkv+codes", 0.1, 0.0, index=2, output=" 2046742."),
+        row("snapkv+codes", 0.1, 0.0, batch=1, output=" 9."),  # batch 1: timed, not counted
+    ]
+    cells = {(c.policy, c.budget): c for c in summarize(rows, batch=2)}
+    assert cells["snapkv", 0.1].same_as_full == pytest.approx(0.5)
+    assert cells["snapkv+codes", 0.1].same_as_full == 1.0
+    assert cells["full", None].same_as_full == 1.0
+    tables = report_tables(list(cells.values()), ["codes"], batch=2)
+    assert "| no gap | 50%, 100% | - |" in tables
+    goals = goal_lines(list(cells.values()), "codes")
+    assert goals[-1].endswith("(not a goal): 2 of 2 requests")
 
 
 def test_rows_round_trip_through_the_results_file(tmp_path: Path) -> None:
