@@ -81,11 +81,88 @@ inline float bf16(uint16_t bits) {
   return out;
 }
 
-// acc[g0 + k][i] += sum_c q[g0 + k, c] * block[c, i] for k < K <= 4 and i < width: up to four
-// reading heads at a time, each accumulator its own restrict pointer so the slot loop vectorizes.
+#ifdef __AVX512F__
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// 32 slots' bfloat16 coordinates are one 64-byte load: each 32-bit lane holds two slots', the
+// even slot's in its low half (shifted up, it is that float32) and the odd slot's in its high
+// half (the low half masked off), so no shuffles widen them.
+// A step: `kLoads` such loads a coordinate (32 kLoads slots), even[k][v] and odd[k][v] =
+// sum_c w[k, c] * rows[c * stride + 32 v + 2j (+1)], every sum in a register.
+template <int64_t K, int64_t kLoads>
+inline void step_dot(const float* __restrict w, const uint16_t* __restrict rows, int64_t stride,
+                     int64_t D, f32x16 (&even)[K][kLoads], f32x16 (&odd)[K][kLoads]) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t v = 0; v < kLoads; ++v) even[k][v] = odd[k][v] = f32x16{};
+  const u32x16 high = u32x16{} + 0xFFFF0000u;
+  for (int64_t c = 0; c < D; ++c) {
+    f32x16 lo[kLoads], hi[kLoads];
+    for (int64_t v = 0; v < kLoads; ++v) {
+      u32x16 pair;
+      std::memcpy(&pair, rows + c * stride + 32 * v, sizeof(pair));
+      const u32x16 a = pair << 16, b = pair & high;
+      std::memcpy(&lo[v], &a, sizeof(a));
+      std::memcpy(&hi[v], &b, sizeof(b));
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const float wk = w[k * D + c];
+      for (int64_t v = 0; v < kLoads; ++v) {
+        even[k][v] += wk * lo[v];
+        odd[k][v] += wk * hi[v];
+      }
+    }
+  }
+}
+
+// `heads_dot` in steps of 32 kLoads slots (a block's last slots through zero-padded rows).
+template <int64_t K, int64_t kLoads>
+void steps_dot(const float* w, int64_t g0, const uint16_t* block, int64_t D, int64_t width,
+               float (*acc)[kMaxBlock]) {
+  constexpr int64_t kStep = 32 * kLoads;
+  f32x16 even[K][kLoads], odd[K][kLoads];
+  std::vector<uint16_t> padded;
+  for (int64_t i0 = 0; i0 < width; i0 += kStep) {
+    const int64_t lanes = std::min(kStep, width - i0);
+    if (lanes == kStep) {
+      step_dot<K, kLoads>(w, block + i0, width, D, even, odd);
+    } else {
+      padded.assign(D * kStep, 0);
+      for (int64_t c = 0; c < D; ++c)
+        std::memcpy(padded.data() + c * kStep, block + c * width + i0, sizeof(uint16_t) * lanes);
+      step_dot<K, kLoads>(w, padded.data(), kStep, D, even, odd);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t v = 0; v < kLoads; ++v) {
+        alignas(64) float e[16], o[16];
+        std::memcpy(e, &even[k][v], sizeof(e));
+        std::memcpy(o, &odd[k][v], sizeof(o));
+        float* out = acc[g0 + k] + i0 + 32 * v;
+        for (int64_t j = 0; j < 16 && 32 * v + 2 * j < lanes; ++j) {
+          out[2 * j] = e[j];
+          if (32 * v + 2 * j + 1 < lanes) out[2 * j + 1] = o[j];
+        }
+      }
+    }
+  }
+}
+#endif
+
+// acc[g0 + k][i] = sum_c q[g0 + k, c] * block[c, i] for k < K <= 4 and i < width: up to four
+// reading heads at a time. With AVX-512, a step of up to 128 slots keeps every head's sums in
+// registers over all coordinates while reading each coordinate's row of the block in order
+// (1.9x the loop below on a cached table, as fast streaming one); else the loop over slots
+// inside one over coordinates, each head's sums in memory. Both sum each slot in coordinate
+// order, so they agree to the bit.
 template <int64_t K>
 void heads_dot(const float* q, int64_t g0, const uint16_t* block, int64_t D, int64_t width,
                float (*acc)[kMaxBlock]) {
+#ifdef __AVX512F__
+  // 2 K kLoads sums in registers, of 32: four loads a step up to three heads.
+  constexpr int64_t kLoads = K <= 3 ? 4 : 2;
+  steps_dot<K, kLoads>(q + g0 * D, g0, block, D, width, acc);
+#else
+  for (int64_t k = 0; k < K; ++k) std::fill(acc[g0 + k], acc[g0 + k] + width, 0.f);
   float* __restrict a0 = acc[g0];
   float* __restrict a1 = acc[g0 + (K > 1 ? 1 : 0)];
   float* __restrict a2 = acc[g0 + (K > 2 ? 2 : 0)];
@@ -105,12 +182,12 @@ void heads_dot(const float* q, int64_t g0, const uint16_t* block, int64_t D, int
       if constexpr (K > 3) a3[i] += w3 * x;
     }
   }
+#endif
 }
 
 // acc[g][i] = sum_c q[g, c] * block[c, i] for g < G, i < width (block: [D, width] bfloat16).
 void dot_any(int64_t G, const float* q, const uint16_t* block, int64_t D, int64_t width,
              float (*acc)[kMaxBlock]) {
-  for (int64_t g = 0; g < G; ++g) std::fill(acc[g], acc[g] + width, 0.f);
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     switch (std::min<int64_t>(4, G - g0)) {
       case 1: heads_dot<1>(q, g0, block, D, width, acc); break;
@@ -260,21 +337,89 @@ void segment_masses(const float* logits, int64_t G, int64_t slots, const float* 
   }
 }
 
+#ifdef __AVX512F__
+// `segment_term`'s weighted sum for heads g0 .. g0 + K - 1 and D = 32 kHalves: each head's
+// value in registers over every page, each page's row read once for the K heads (as a
+// `step_dot` load: even and odd coordinates, put back in order at the end). Each coordinate is
+// still summed over pages in page order, so the sums are the loop's in `segment_term`.
+template <int64_t K, int64_t kHalves>
+void heads_values(const float* page_mass, const float* total, int64_t g0, int64_t pages,
+                  const uint16_t* grid, float* value) {
+  constexpr int64_t D = 32 * kHalves;
+  f32x16 even[K][kHalves] = {}, odd[K][kHalves] = {};
+  const u32x16 high = u32x16{} + 0xFFFF0000u;
+  for (int64_t p = 0; p < pages; ++p) {
+    float w[K];
+    bool any = false;
+    for (int64_t k = 0; k < K; ++k) {
+      w[k] = total[k] > 0.f ? page_mass[(g0 + k) * pages + p] / total[k] : 0.f;
+      any |= w[k] != 0.f;
+    }
+    if (!any) continue;
+    for (int64_t v = 0; v < kHalves; ++v) {
+      u32x16 pair;
+      std::memcpy(&pair, grid + p * D + 32 * v, sizeof(pair));
+      const u32x16 a = pair << 16, b = pair & high;
+      f32x16 lo, hi;
+      std::memcpy(&lo, &a, sizeof(a));
+      std::memcpy(&hi, &b, sizeof(b));
+      for (int64_t k = 0; k < K; ++k) {
+        if (w[k] == 0.f) continue;
+        even[k][v] += w[k] * lo;
+        odd[k][v] += w[k] * hi;
+      }
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    float* out = value + (g0 + k) * D;
+    for (int64_t v = 0; v < kHalves; ++v) {
+      alignas(64) float e[16], o[16];
+      std::memcpy(e, &even[k][v], sizeof(e));
+      std::memcpy(o, &odd[k][v], sizeof(o));
+      for (int64_t j = 0; j < 16; ++j) {
+        out[32 * v + 2 * j] = e[j];
+        out[32 * v + 2 * j + 1] = o[j];
+      }
+    }
+  }
+}
+
+template <int64_t kHalves>
+void values_by_threes(const float* page_mass, const float* total, int64_t G, int64_t pages,
+                      const uint16_t* grid, float* value) {
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 1: heads_values<1, kHalves>(page_mass, total + g0, g0, pages, grid, value); break;
+      case 2: heads_values<2, kHalves>(page_mass, total + g0, g0, pages, grid, value); break;
+      default: heads_values<3, kHalves>(page_mass, total + g0, g0, pages, grid, value); break;
+    }
+  }
+}
+#endif
+
 // One segment's term from its page masses [G, pages] (scaled by e^-top) and value grid
 // [pages, D] bfloat16: log_mass[g] = log(sum_p mass) + top[g] and value[g] the masses'
 // average of the pages' mean values, in float32 (0 where no page has mass).
 void segment_term(const float* page_mass, const float* top, int64_t G, int64_t pages,
                   const uint16_t* grid, int64_t D, float* log_mass, float* value) {
+  float total[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     const float* mass = page_mass + g * pages;
-    float total = 0.f;
-    for (int64_t p = 0; p < pages; ++p) total += mass[p];
-    log_mass[g] = std::log(total) + top[g];
+    total[g] = 0.f;
+    for (int64_t p = 0; p < pages; ++p) total[g] += mass[p];
+    log_mass[g] = std::log(total[g]) + top[g];
+  }
+#ifdef __AVX512F__
+  if (D == 64) return values_by_threes<2>(page_mass, total, G, pages, grid, value);
+  if (D == 128) return values_by_threes<4>(page_mass, total, G, pages, grid, value);
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    const float* mass = page_mass + g * pages;
     float* __restrict out = value + g * D;
     std::fill(out, out + D, 0.f);
-    if (!(total > 0.f)) continue;
+    if (!(total[g] > 0.f)) continue;
     for (int64_t p = 0; p < pages; ++p) {
-      const float w = mass[p] / total;
+      const float w = mass[p] / total[g];
       if (w == 0.f) continue;
       const uint16_t* __restrict row = grid + p * D;
       #pragma omp simd
@@ -334,7 +479,7 @@ std::vector<torch::Tensor> block_value_term(torch::Tensor q, torch::Tensor table
 std::vector<torch::Tensor> term_of(torch::Tensor page_mass, torch::Tensor top,
                                    torch::Tensor grid) {
   TORCH_CHECK(page_mass.dim() == 3 && page_mass.scalar_type() == torch::kFloat32 &&
-              page_mass.is_contiguous(), "page_mass");
+              page_mass.is_contiguous() && page_mass.size(1) <= kMaxGroup, "page_mass");
   const int64_t S = page_mass.size(0), G = page_mass.size(1), pages = page_mass.size(2);
   TORCH_CHECK(top.scalar_type() == torch::kFloat32 && top.is_contiguous() &&
               top.numel() == S * G, "top");
@@ -381,7 +526,7 @@ torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor b
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
 # The build's name (a new version when the source changes, so an old build is never loaded).
-KERNEL_VERSION = "v9"
+KERNEL_VERSION = "v10"
 _FUNCTIONS = ("block_logits", "block_page_lse", "page_lse_of", "value_term_of",
               "block_value_term", "term_of")
 # A folder of kernels built ahead (`prebuild`), loaded before a build is tried.
