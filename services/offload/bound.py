@@ -664,7 +664,14 @@ def layer_value_term(
     segments = slice(layer * owners, (layer + 1) * owners)
     table = summaries.code_table
     estimates = table.estimates[segments]  # [H_owner, d_h * slots], contiguous rows
-    q = query.detach().to(dtype=torch.float32, device=estimates.device) * scale  # [H_q, d_h]
+    q = query.detach().to(dtype=torch.float32, device=estimates.device)  # [H_q, d_h]
+    fused = codes_kernel.layer_value_term(  # one call: the term thread's one hand-off a layer
+        q, readers, scale, estimates, bias[segments], summaries.value_grid[segments],
+        summaries.head_dim, table.block, summaries.page_size)
+    if fused is not None:
+        logits, page_mass, top, mass, value = fused
+        return LayerTerm(mass, value, logits, page_mass, top, segments, readers.flatten())
+    q = q * scale
     logits, page_mass, top, mass, value = codes_kernel.block_value_term(
         q[readers], estimates, bias[segments], summaries.value_grid[segments],
         summaries.head_dim, table.block, summaries.page_size)  # logits [H_owner, G, slots]

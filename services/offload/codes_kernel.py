@@ -209,14 +209,9 @@ void check(const torch::Tensor& q, const torch::Tensor& table, int64_t slots, in
 }  // namespace
 
 // logits[s, g, n] = q[s, g] . row n of segment s  -> [S, G, slots] float32
-torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, int64_t block) {
-  check(q, table, slots, block);
-  const int64_t S = q.size(0), G = q.size(1), D = q.size(2);
-  auto out = torch::empty({S, G, slots}, q.options());
-  pybind11::gil_scoped_release no_gil;  // a recall planner thread scores beside the decode loop
-  const float* qp = q.data_ptr<float>();
-  const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
+// out[s, g, n] = q[s, g] . row n of segment s, for `block_logits` and `layer_value_term`.
+void logits_into(const float* qp, const uint16_t* tp, int64_t S, int64_t G, int64_t D,
+                 int64_t slots, int64_t block, float* op) {
   alignas(64) float acc[kMaxGroup][kMaxBlock];
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t n0 = 0; n0 < slots; n0 += block) {
@@ -226,6 +221,15 @@ torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, 
         std::memcpy(op + (s * G + g) * slots + n0, acc[g], sizeof(float) * width);
     }
   }
+}
+
+torch::Tensor block_logits(torch::Tensor q, torch::Tensor table, int64_t slots, int64_t block) {
+  check(q, table, slots, block);
+  const int64_t S = q.size(0), G = q.size(1), D = q.size(2);
+  auto out = torch::empty({S, G, slots}, q.options());
+  pybind11::gil_scoped_release no_gil;  // a recall planner thread scores beside the decode loop
+  logits_into(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()),
+              S, G, D, slots, block, out.data_ptr<float>());
   return out;
 }
 
@@ -437,6 +441,23 @@ void check_term(const torch::Tensor& bias, const torch::Tensor& grid, int64_t S,
               grid.size(0) == S && grid.size(1) == slots / page, "grid");
 }
 
+// `value_term_of`'s parts into tensors of its shapes (no interpreter lock handling).
+void terms_into(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& grid,
+                int64_t page, torch::Tensor& page_mass, torch::Tensor& top,
+                torch::Tensor& log_mass, torch::Tensor& value) {
+  const int64_t S = logits.size(0), G = logits.size(1), slots = logits.size(2);
+  const int64_t pages = slots / page, D = grid.size(2);
+  const auto* gp = reinterpret_cast<const uint16_t*>(grid.data_ptr<at::BFloat16>());
+  for (int64_t s = 0; s < S; ++s) {
+    float* pm = page_mass.data_ptr<float>() + s * G * pages;
+    float* tp = top.data_ptr<float>() + s * G;
+    segment_masses(logits.data_ptr<float>() + s * G * slots, G, slots,
+                   bias.data_ptr<float>() + s * slots, page, pm, tp);
+    segment_term(pm, tp, G, pages, gp + s * pages * D, D, log_mass.data_ptr<float>() + s * G,
+                 value.data_ptr<float>() + s * G * D);
+  }
+}
+
 // The omitted-value term of owner segments from logits already computed [S, G, slots]
 // -> page_mass [S, G, pages], top [S, G, 1], log_mass [S, G], value [S, G, D] float32
 std::vector<torch::Tensor> value_term_of(torch::Tensor logits, torch::Tensor bias,
@@ -451,15 +472,7 @@ std::vector<torch::Tensor> value_term_of(torch::Tensor logits, torch::Tensor bia
   auto log_mass = torch::empty({S, G}, logits.options());
   auto value = torch::empty({S, G, D}, logits.options());
   pybind11::gil_scoped_release no_gil;
-  const auto* gp = reinterpret_cast<const uint16_t*>(grid.data_ptr<at::BFloat16>());
-  for (int64_t s = 0; s < S; ++s) {
-    float* pm = page_mass.data_ptr<float>() + s * G * pages;
-    float* tp = top.data_ptr<float>() + s * G;
-    segment_masses(logits.data_ptr<float>() + s * G * slots, G, slots,
-                   bias.data_ptr<float>() + s * slots, page, pm, tp);
-    segment_term(pm, tp, G, pages, gp + s * pages * D, D, log_mass.data_ptr<float>() + s * G,
-                 value.data_ptr<float>() + s * G * D);
-  }
+  terms_into(logits, bias, grid, page, page_mass, top, log_mass, value);
   return {page_mass, top, log_mass, value};
 }
 
@@ -472,6 +485,61 @@ std::vector<torch::Tensor> block_value_term(torch::Tensor q, torch::Tensor table
   std::vector<torch::Tensor> parts = value_term_of(logits, bias, grid, page);
   parts.insert(parts.begin(), logits);
   return parts;
+}
+
+// `block_value_term` for one layer's query [H_q, D] float32: each owner segment's reading
+// heads' rows, gathered and scaled by `scale` (q[s, g] = query[readers[s, g]] * scale, as
+// torch multiplies a float32 tensor by a scalar), and the log mass and value written per query
+// head (readers is a permutation of the query heads), all with the interpreter lock let go
+// once: a term thread's layer beside the decode loop's is one hand-off, not a dozen.
+// -> logits [S, G, slots], page_mass [S, G, pages], top [S, G, 1], log_mass [H_q],
+//    value [H_q, D]
+std::vector<torch::Tensor> layer_value_term(torch::Tensor query, torch::Tensor readers,
+                                            double scale, torch::Tensor table,
+                                            torch::Tensor bias, torch::Tensor grid,
+                                            int64_t slots, int64_t block, int64_t page) {
+  TORCH_CHECK(query.dim() == 2 && query.scalar_type() == torch::kFloat32 &&
+              query.is_contiguous(), "query");
+  TORCH_CHECK(readers.dim() == 2 && readers.scalar_type() == torch::kInt64 &&
+              readers.is_contiguous() && readers.size(1) >= 1 && readers.size(1) <= kMaxGroup &&
+              readers.size(0) * readers.size(1) == query.size(0), "readers");
+  const int64_t S = readers.size(0), G = readers.size(1), H = query.size(0), D = query.size(1);
+  const int64_t* rp = readers.data_ptr<int64_t>();
+  std::vector<bool> seen(H, false);
+  for (int64_t i = 0; i < H; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < H && !seen[rp[i]], "readers: a permutation of the heads");
+    seen[rp[i]] = true;
+  }
+  auto q = torch::empty({S, G, D}, query.options());
+  check(q, table, slots, block);
+  auto logits = torch::empty({S, G, slots}, query.options());
+  TORCH_CHECK(logits.size(1) <= kMaxGroup, "logits");
+  check_term(bias, grid, S, slots, page);
+  const int64_t pages = slots / page;
+  auto page_mass = torch::empty({S, G, pages}, query.options());
+  auto top = torch::empty({S, G, 1}, query.options());
+  auto log_mass = torch::empty({S, G}, query.options());
+  auto value = torch::empty({S, G, grid.size(2)}, query.options());
+  auto head_mass = torch::empty({H}, query.options());
+  auto head_value = torch::empty({H, grid.size(2)}, query.options());
+  {
+    pybind11::gil_scoped_release no_gil;
+    const float factor = static_cast<float>(scale);
+    const float* src = query.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    for (int64_t i = 0; i < H; ++i)
+      for (int64_t c = 0; c < D; ++c) qp[i * D + c] = src[rp[i] * D + c] * factor;
+    logits_into(qp, reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()), S, G, D,
+                slots, block, logits.data_ptr<float>());
+    terms_into(logits, bias, grid, page, page_mass, top, log_mass, value);
+    const int64_t V = grid.size(2);
+    for (int64_t i = 0; i < H; ++i) {
+      head_mass.data_ptr<float>()[rp[i]] = log_mass.data_ptr<float>()[i];
+      std::memcpy(head_value.data_ptr<float>() + rp[i] * V, value.data_ptr<float>() + i * V,
+                  sizeof(float) * V);
+    }
+  }
+  return {logits, page_mass, top, head_mass, head_value};
 }
 
 // A term's log mass and value from page masses [S, G, pages] and top [S, G, 1] (a term with
@@ -526,9 +594,9 @@ torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor b
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
 # The build's name (a new version when the source changes, so an old build is never loaded).
-KERNEL_VERSION = "v10"
+KERNEL_VERSION = "v11"
 _FUNCTIONS = ("block_logits", "block_page_lse", "page_lse_of", "value_term_of",
-              "block_value_term", "term_of")
+              "block_value_term", "term_of", "layer_value_term")
 # A folder of kernels built ahead (`prebuild`), loaded before a build is tried.
 KERNELS_ENV = "KVRELAY_CODES_KERNELS"
 _MANIFEST = "kernels.json"
@@ -793,6 +861,26 @@ def block_value_term(query: torch.Tensor, table: torch.Tensor, bias: torch.Tenso
         logits = _torch_logits(query, table, dim, block)
         return (logits, *value_term_of(logits, bias, grid, page))
     return tuple(module.block_value_term(query.float().contiguous(), table,
+                                         bias.float().contiguous(), grid.contiguous(),
+                                         table.shape[1] // dim, block, page))
+
+
+def layer_value_term(query: torch.Tensor, readers: torch.Tensor, scale: float,
+                     table: torch.Tensor, bias: torch.Tensor, grid: torch.Tensor, dim: int,
+                     block: int, page: int) -> tuple[torch.Tensor, ...] | None:
+    """`block_value_term` of one layer's query `[H_q, d_h]` float32, its heads grouped by
+    owner (`readers` `[S, G]`, a permutation of the query heads) and scaled by `scale` in the
+    kernel, the log mass `[H_q]` and value `[H_q, d_h]` per query head: logits, page masses,
+    top, log mass and value, to the bit what grouping and scaling in torch gives, with the
+    interpreter lock let go once. None where the kernel does not run (the caller does it in
+    torch)."""
+    group = readers.shape[1] if readers.dim() == 2 else MAX_GROUP + 1
+    fits = (group <= MAX_GROUP and block <= MAX_BLOCK and query.device.type == "cpu"
+            and query.dtype == torch.float32)
+    module = _module() if fits else None
+    if module is None:
+        return None
+    return tuple(module.layer_value_term(query.contiguous(), readers.contiguous(), scale, table,
                                          bias.float().contiguous(), grid.contiguous(),
                                          table.shape[1] // dim, block, page))
 

@@ -307,3 +307,36 @@ def test_unknown_levels_are_refused_before_anything_is_built(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="x86-64-v9"):
         codes_kernel.prebuild(tmp_path / "kernels", ["x86-64-v9"])
     assert not (tmp_path / "kernels").exists()
+
+
+def test_a_layers_term_in_one_call_equals_grouping_and_scaling_in_torch() -> None:
+    """`layer_value_term` gathers and scales each owner's reading heads and writes the term per
+    query head inside the kernel (one hand-off of the interpreter lock a layer): the same bits
+    as scaling and grouping in torch before `block_value_term` and ordering its output by head."""
+    if not codes_kernel.available():
+        assert codes_kernel.layer_value_term(torch.zeros(9, 64), torch.arange(9).view(3, 3), 0.125,
+                                             torch.zeros(3, 64 * 8, dtype=torch.bfloat16),
+                                             torch.zeros(3, 8), torch.zeros(3, 1, 64, dtype=torch.bfloat16),
+                                             64, 8, 8) is None
+        return
+    gen = torch.Generator().manual_seed(11)
+    owners, group, dim, slots, page = 3, 3, 64, 200, 8
+    block = codes_kernel.table_block(page, slots)
+    table = codes_kernel.to_blocks(torch.randn(owners, dim, slots, generator=gen).to(torch.bfloat16), block)
+    query = torch.randn(owners * group, dim, generator=gen)
+    readers = torch.randperm(owners * group, generator=gen).view(owners, group)
+    bias = torch.zeros(owners, slots)
+    bias[1, -3 * page:] = -math.inf
+    grid = torch.randn(owners, slots // page, dim, generator=gen).to(torch.bfloat16)
+    scale = dim ** -0.5
+    logits, page_mass, top, mass, value = codes_kernel.layer_value_term(
+        query, readers, scale, table, bias, grid, dim, block, page)
+    want = codes_kernel.block_value_term((query * scale)[readers], table, bias, grid, dim, block, page)
+    for got, expected in zip((logits, page_mass, top), want[:3], strict=True):
+        assert torch.equal(got, expected)
+    heads = readers.flatten()
+    assert torch.equal(mass[heads], want[3].flatten())
+    assert torch.equal(value[heads], want[4].flatten(0, 1))
+    with pytest.raises(RuntimeError, match="permutation"):
+        codes_kernel.layer_value_term(query, torch.zeros_like(readers), scale, table, bias, grid,
+                                      dim, block, page)
