@@ -462,7 +462,7 @@ def summarize(rows: Sequence[Row], batch: int) -> list[Cell]:
     groups: dict[tuple[str, int, float | None, str], list[Row]] = {}
     alone: dict[tuple[str, int, float | None, str], list[Row]] = {}
     named = {(r.task, r.length, r.index): ruler.answer_number(r.output) for r in rows
-             if r.policy == "full" and (r.batch > 1 or batch == 1)}
+             if r.engine == "kvrelay" and r.policy == "full" and (r.batch > 1 or batch == 1)}
     for r in rows:
         key = (r.task, r.length, r.budget, r.policy)
         if r.engine == "kvpress" or r.batch > 1 or batch == 1:

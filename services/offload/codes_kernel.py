@@ -151,7 +151,7 @@ void steps_dot(const float* w, int64_t g0, const uint16_t* block, int64_t D, int
 // acc[g0 + k][i] = sum_c q[g0 + k, c] * block[c, i] for k < K <= 4 and i < width: up to four
 // reading heads at a time. With AVX-512, a step of up to 128 slots keeps every head's sums in
 // registers over all coordinates while reading each coordinate's row of the block in order
-// (1.9x the loop below on a cached table, as fast streaming one); else the loop over slots
+// (1.9x the loop below on a cached table, 1.6x streaming one); else the loop over slots
 // inside one over coordinates, each head's sums in memory. Both sum each slot in coordinate
 // order, so they agree to the bit.
 template <int64_t K>
