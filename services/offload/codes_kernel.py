@@ -85,26 +85,27 @@ inline float bf16(uint16_t bits) {
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-// 32 slots' bfloat16 coordinates are one 64-byte load: each 32-bit lane holds two slots', the
-// even slot's in its low half (shifted up, it is that float32) and the odd slot's in its high
-// half (the low half masked off), so no shuffles widen them.
-// A step: `kLoads` such loads a coordinate (32 kLoads slots), even[k][v] and odd[k][v] =
+// 32 bfloat16 values from one 64-byte load, widened to float32 without shuffles: each 32-bit
+// lane holds two, the even one in its low half (shifted up, it is that float32) and the odd
+// one in its high half (the low half masked off).
+inline void widen_pairs(const uint16_t* p, f32x16& even, f32x16& odd) {
+  u32x16 pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  const u32x16 lo = pair << 16, hi = pair & (u32x16{} + 0xFFFF0000u);
+  std::memcpy(&even, &lo, sizeof(lo));
+  std::memcpy(&odd, &hi, sizeof(hi));
+}
+
+// One step of 32 kLoads slots (`kLoads` loads a coordinate): even[k][v] and odd[k][v] =
 // sum_c w[k, c] * rows[c * stride + 32 v + 2j (+1)], every sum in a register.
 template <int64_t K, int64_t kLoads>
 inline void step_dot(const float* __restrict w, const uint16_t* __restrict rows, int64_t stride,
                      int64_t D, f32x16 (&even)[K][kLoads], f32x16 (&odd)[K][kLoads]) {
   for (int64_t k = 0; k < K; ++k)
     for (int64_t v = 0; v < kLoads; ++v) even[k][v] = odd[k][v] = f32x16{};
-  const u32x16 high = u32x16{} + 0xFFFF0000u;
   for (int64_t c = 0; c < D; ++c) {
     f32x16 lo[kLoads], hi[kLoads];
-    for (int64_t v = 0; v < kLoads; ++v) {
-      u32x16 pair;
-      std::memcpy(&pair, rows + c * stride + 32 * v, sizeof(pair));
-      const u32x16 a = pair << 16, b = pair & high;
-      std::memcpy(&lo[v], &a, sizeof(a));
-      std::memcpy(&hi[v], &b, sizeof(b));
-    }
+    for (int64_t v = 0; v < kLoads; ++v) widen_pairs(rows + c * stride + 32 * v, lo[v], hi[v]);
     for (int64_t k = 0; k < K; ++k) {
       const float wk = w[k * D + c];
       for (int64_t v = 0; v < kLoads; ++v) {
@@ -351,7 +352,6 @@ void heads_values(const float* page_mass, const float* total, int64_t g0, int64_
                   const uint16_t* grid, float* value) {
   constexpr int64_t D = 32 * kHalves;
   f32x16 even[K][kHalves] = {}, odd[K][kHalves] = {};
-  const u32x16 high = u32x16{} + 0xFFFF0000u;
   for (int64_t p = 0; p < pages; ++p) {
     float w[K];
     bool any = false;
@@ -361,12 +361,8 @@ void heads_values(const float* page_mass, const float* total, int64_t g0, int64_
     }
     if (!any) continue;
     for (int64_t v = 0; v < kHalves; ++v) {
-      u32x16 pair;
-      std::memcpy(&pair, grid + p * D + 32 * v, sizeof(pair));
-      const u32x16 a = pair << 16, b = pair & high;
       f32x16 lo, hi;
-      std::memcpy(&lo, &a, sizeof(a));
-      std::memcpy(&hi, &b, sizeof(b));
+      widen_pairs(grid + p * D + 32 * v, lo, hi);
       for (int64_t k = 0; k < K; ++k) {
         if (w[k] == 0.f) continue;
         even[k][v] += w[k] * lo;
@@ -513,7 +509,6 @@ std::vector<torch::Tensor> layer_value_term(torch::Tensor query, torch::Tensor r
   auto q = torch::empty({S, G, D}, query.options());
   check(q, table, slots, block);
   auto logits = torch::empty({S, G, slots}, query.options());
-  TORCH_CHECK(logits.size(1) <= kMaxGroup, "logits");
   check_term(bias, grid, S, slots, page);
   const int64_t pages = slots / page;
   auto page_mass = torch::empty({S, G, pages}, query.options());
