@@ -42,9 +42,7 @@ where RoPE is the identity, so its query and key arrive unrotated).
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -196,10 +194,19 @@ class OmittedTerm(Protocol):
     given the layer and the request's query there `[H_q, d_h]` (post-RoPE, as the keys), a
     log mass `[H_q]` (log of the summed e^{scale q . k} of those rows; -inf: none) and the
     value `[H_q, d_h]` it carries, or None when nothing is omitted. Called once a layer a
-    step, on the decode thread or on the cache's term thread beside it (never on both at
-    once for one term)."""
+    step, on the decode thread.
+
+    A term may also have `start_layer_parts(layer, [(term, query), ...])`: a function that
+    starts several terms' parts of a layer beside the caller (on a kernel's own thread, say)
+    and returns the function that waits for them. The cache starts the terms that share one
+    before the layer attends over its rows and waits for them after; a term without one is
+    asked after the rows."""
 
     def __call__(self, layer: int, query: torch.Tensor) -> OmittedPart | None: ...
+
+
+PartsWait = Callable[[], list[OmittedPart | None]]
+StartLayerParts = Callable[[int, Sequence[tuple[OmittedTerm, torch.Tensor]]], PartsWait]
 
 
 @dataclass
@@ -614,6 +621,23 @@ class DecodeCache(SlottedCache):
                                     "answered a non-finite part")
         return mass.to(self.device), value.to(self.device)
 
+    def _start_terms(self, layer: int, q: torch.Tensor) -> list[tuple[list[int], PartsWait]]:
+        """Layer l's terms of this step, started: the terms that share a `start_layer_parts`
+        together, each other term on its own (asked when its wait is called); each group's
+        members (`_step_terms` indices) and wait."""
+        terms = self._step_terms
+        together: dict[StartLayerParts, list[int]] = {}
+        waits: list[tuple[list[int], PartsWait]] = []
+        for i, (slot, term) in enumerate(terms):
+            start = getattr(term, "start_layer_parts", None)
+            if start is None:
+                waits.append(([i], functools.partial(_ask, term, layer, q[slot])))
+            else:
+                together.setdefault(start, []).append(i)
+        for start, members in together.items():
+            waits.append((members, start(layer, [(terms[i][1], q[terms[i][0]]) for i in members])))
+        return waits
+
     def attention(self, layer: int) -> Attend:
         """The `Attend` of layer l for this step: append the new row to every owner, attend."""
         window = self.config.sliding_windows[layer]
@@ -633,28 +657,23 @@ class DecodeCache(SlottedCache):
                     q, pool.keys, pool.values, table, lengths, scale)
             else:
                 hidden = None if window is None else self.frontier() - window
-                # The omitted-value terms need only the query: the term thread starts on them
-                # while this thread attends over the rows, and this thread then takes the
-                # requests it has not begun (the kernel and torch's ops let go of the
-                # interpreter lock, so both cores work).
-                work = _TermWork(terms, layer, q) if terms else None
-                pending = None if work is None else _term_thread().submit(work.run)
-                try:
-                    out, lse = paged_decode_attention(
-                        q, pool.keys, pool.values, table, lengths, scale,
-                        hidden_at_or_before=hidden, page_positions=pool.positions,
-                        plan=self._plan(layer, table, lengths),
-                        with_lse=capture is not None or bool(terms),
-                    )
-                    if work is not None:
-                        work.run()
-                finally:
-                    if pending is not None:  # never leave a step with a term still running
-                        concurrent.futures.wait([pending])
+                # The omitted-value terms need only the query: those that start beside the
+                # step (`OmittedTerm.start_layer_parts`) run while this thread attends over
+                # the rows, the others are asked after.
+                waits = self._start_terms(layer, q) if terms else ()
+                out, lse = paged_decode_attention(
+                    q, pool.keys, pool.values, table, lengths, scale,
+                    hidden_at_or_before=hidden, page_positions=pool.positions,
+                    plan=self._plan(layer, table, lengths),
+                    with_lse=capture is not None or bool(terms),
+                )
                 parts = None
-                if work is not None and pending is not None:
-                    pending.result()  # the term thread's error, if it raised
-                    parts = self._layer_terms(layer, work.parts)
+                if terms:
+                    answered: list[OmittedPart | None] = [None] * len(terms)
+                    for members, wait in waits:
+                        for i, part in zip(members, wait(), strict=True):
+                            answered[i] = part
+                    parts = self._layer_terms(layer, answered)
                 # The terms first: a capture's `on_layer` may read what they computed.
                 if capture is not None and lse is not None:
                     capture.record(layer, q, lse)  # the rows' own, without the term
@@ -925,26 +944,6 @@ def _finite(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.nan_to_num(rows.to(dtype))
 
 
-class _TermWork:
-    """One layer's omitted-value terms of a step's requests, each computed by whichever thread
-    takes it first (`DecodeCache.attention`): `run` on two threads computes every part once."""
-
-    def __init__(self, terms: Sequence[tuple[int, OmittedTerm]], layer: int,
-                 q: torch.Tensor) -> None:
-        self._terms, self._layer, self._q = terms, layer, q
-        self._next = itertools.count()  # `next` is atomic under the interpreter lock
-        self.parts: list[OmittedPart | None] = [None] * len(terms)
-
-    def run(self) -> None:
-        terms = self._terms
-        while (i := next(self._next)) < len(terms):
-            slot, term = terms[i]
-            self.parts[i] = term(self._layer, self._q[slot])
-
-
-@functools.cache
-def _term_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's one thread that computes the omitted-value terms of a layer beside its
-    paged attention (`DecodeCache.attention`); one, because the decode loop runs one step at a
-    time and one torch thread leaves one core for it."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-terms")
+def _ask(term: OmittedTerm, layer: int, query: torch.Tensor) -> list[OmittedPart | None]:
+    """A term without `start_layer_parts`, asked for its part of layer l."""
+    return [term(layer, query)]

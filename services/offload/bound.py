@@ -50,7 +50,7 @@ e^{s q . k^}, one more attention partial the decode cache merges with the reside
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -651,6 +651,34 @@ def live_bias(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
     return summaries.code_table.slot_bias.masked_fill(~alive, -math.inf)  # alive [S, slots]
 
 
+@dataclass(frozen=True)
+class TermInputs:
+    """What one request's omitted-value term of one layer reads besides the query, fixed
+    between recalls (`term_inputs`): the layer's owner segments, its readers, and its rows of
+    the codes table, the live bias and the value grid, as the kernel takes them."""
+
+    segments: slice
+    readers: torch.Tensor  # [H_owner, G] int64
+    estimates: torch.Tensor  # [H_owner, d_h * slots] bfloat16, contiguous rows
+    bias: torch.Tensor  # [H_owner, slots] float32, contiguous
+    grid: torch.Tensor  # [H_owner, slots / page_size, d_h] bfloat16, contiguous
+    head_dim: int
+    block: int
+    page_size: int
+
+
+def term_inputs(summaries: PageSummaries, layer: int, readers: torch.Tensor,
+                bias: torch.Tensor) -> TermInputs:
+    """Layer l's `TermInputs` (`readers`: `CodeLogits.readers`; `bias`: `live_bias`)."""
+    owners = summaries.num_owners
+    segments = slice(layer * owners, (layer + 1) * owners)
+    table = summaries.code_table
+    return TermInputs(segments, readers.contiguous(), table.estimates[segments],
+                      bias[segments].float().contiguous(),
+                      summaries.value_grid[segments].contiguous(), summaries.head_dim,
+                      table.block, summaries.page_size)
+
+
 def layer_value_term(
     summaries: PageSummaries, layer: int, query: torch.Tensor, readers: torch.Tensor,
     bias: torch.Tensor, scale: float,
@@ -660,24 +688,48 @@ def layer_value_term(
     step's recall plan reads instead of scoring again) and its pages' masses (from which
     `LayerTerm.without` takes pages out once recalled). `readers`: `CodeLogits.readers`;
     `bias`: `live_bias`."""
-    owners = summaries.num_owners
-    segments = slice(layer * owners, (layer + 1) * owners)
-    table = summaries.code_table
-    estimates = table.estimates[segments]  # [H_owner, d_h * slots], contiguous rows
-    q = query.detach().to(dtype=torch.float32, device=estimates.device)  # [H_q, d_h]
-    fused = codes_kernel.layer_value_term(  # one call: the term thread's one hand-off a layer
-        q, readers, scale, estimates, bias[segments], summaries.value_grid[segments],
-        summaries.head_dim, table.block, summaries.page_size)
-    if fused is not None:
-        logits, page_mass, top, mass, value = fused
-        return LayerTerm(mass, value, logits, page_mass, top, segments, readers.flatten())
-    q = q * scale
+    return start_layer_value_terms([(term_inputs(summaries, layer, readers, bias), query)],
+                                   scale)()[0]
+
+
+def start_layer_value_terms(calls: Sequence[tuple[TermInputs, torch.Tensor]],
+                            scale: float) -> Callable[[], list[LayerTerm]]:
+    """`layer_value_term` of one layer for several requests (each its inputs and query
+    `[H_q, d_h]`), started on the kernel's own thread (`codes_kernel.start_layers_value_term`)
+    while the caller goes on (the decode step attends over the rows meanwhile); returns the
+    function that waits for the terms. Where the kernel does not take them all they are
+    computed here in torch, request by request, before this returns."""
+    queries = [query.detach().to(dtype=torch.float32, device=inputs.estimates.device)
+               for inputs, query in calls]
+    pending = None
+    if len({inputs.head_dim for inputs, _ in calls}) == 1:
+        pending = codes_kernel.start_layers_value_term(
+            queries, [inputs.readers for inputs, _ in calls], scale,
+            [inputs.estimates for inputs, _ in calls], [inputs.bias for inputs, _ in calls],
+            [inputs.grid for inputs, _ in calls], calls[0][0].head_dim,
+            [inputs.block for inputs, _ in calls], [inputs.page_size for inputs, _ in calls])
+    if pending is None:
+        terms = [_torch_value_term(inputs, q, scale) for (inputs, _), q in zip(calls, queries, strict=True)]
+        return lambda: terms
+
+    def wait() -> list[LayerTerm]:
+        return [LayerTerm(mass, value, logits, page_mass, top, inputs.segments,
+                          inputs.readers.flatten())
+                for (logits, page_mass, top, mass, value), (inputs, _)
+                in zip(pending.wait(), calls, strict=True)]
+
+    return wait
+
+
+def _torch_value_term(inputs: TermInputs, query: torch.Tensor, scale: float) -> LayerTerm:
+    """`layer_value_term` where the kernel does not run (`codes_kernel.block_value_term`'s
+    torch path). `query` `[H_q, d_h]` float32."""
     logits, page_mass, top, mass, value = codes_kernel.block_value_term(
-        q[readers], estimates, bias[segments], summaries.value_grid[segments],
-        summaries.head_dim, table.block, summaries.page_size)  # logits [H_owner, G, slots]
-    heads = readers.flatten()
+        (query * scale)[inputs.readers], inputs.estimates, inputs.bias, inputs.grid,
+        inputs.head_dim, inputs.block, inputs.page_size)  # logits [H_owner, G, slots]
+    heads = inputs.readers.flatten()
     return LayerTerm(_to_heads(mass, heads), _to_heads(value, heads), logits, page_mass, top,
-                     segments, heads)
+                     inputs.segments, heads)
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,14 @@ def table_block(page_size: int, slots: int) -> int:
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -210,7 +214,7 @@ void check(const torch::Tensor& q, const torch::Tensor& table, int64_t slots, in
 }  // namespace
 
 // logits[s, g, n] = q[s, g] . row n of segment s  -> [S, G, slots] float32
-// out[s, g, n] = q[s, g] . row n of segment s, for `block_logits` and `layer_value_term`.
+// out[s, g, n] = q[s, g] . row n of segment s, for `block_logits` and `LayerTermJob`.
 void logits_into(const float* qp, const uint16_t* tp, int64_t S, int64_t G, int64_t D,
                  int64_t slots, int64_t block, float* op) {
   alignas(64) float acc[kMaxGroup][kMaxBlock];
@@ -483,43 +487,52 @@ std::vector<torch::Tensor> block_value_term(torch::Tensor q, torch::Tensor table
   return parts;
 }
 
-// `block_value_term` for one layer's query [H_q, D] float32: each owner segment's reading
-// heads' rows, gathered and scaled by `scale` (q[s, g] = query[readers[s, g]] * scale, as
-// torch multiplies a float32 tensor by a scalar), and the log mass and value written per query
-// head (readers is a permutation of the query heads), all with the interpreter lock let go
-// once: a term thread's layer beside the decode loop's is one hand-off, not a dozen.
-// -> logits [S, G, slots], page_mass [S, G, pages], top [S, G, 1], log_mass [H_q],
-//    value [H_q, D]
-std::vector<torch::Tensor> layer_value_term(torch::Tensor query, torch::Tensor readers,
-                                            double scale, torch::Tensor table,
-                                            torch::Tensor bias, torch::Tensor grid,
-                                            int64_t slots, int64_t block, int64_t page) {
-  TORCH_CHECK(query.dim() == 2 && query.scalar_type() == torch::kFloat32 &&
-              query.is_contiguous(), "query");
-  TORCH_CHECK(readers.dim() == 2 && readers.scalar_type() == torch::kInt64 &&
-              readers.is_contiguous() && readers.size(1) >= 1 && readers.size(1) <= kMaxGroup &&
-              readers.size(0) * readers.size(1) == query.size(0), "readers");
-  const int64_t S = readers.size(0), G = readers.size(1), H = query.size(0), D = query.size(1);
-  const int64_t* rp = readers.data_ptr<int64_t>();
-  std::vector<bool> seen(H, false);
-  for (int64_t i = 0; i < H; ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < H && !seen[rp[i]], "readers: a permutation of the heads");
-    seen[rp[i]] = true;
+// One request's omitted-value term of one layer: `block_value_term` for the layer's query
+// [H_q, D] float32, each owner segment's reading heads gathered and scaled by `scale`
+// (q[s, g] = query[readers[s, g]] * scale, as torch multiplies a float32 tensor by a scalar),
+// and the log mass and value written per query head (readers is a permutation of the query
+// heads). Inputs checked and outputs allocated while the interpreter lock is held; `run`
+// computes them without it. parts: logits [S, G, slots], page_mass [S, G, pages],
+// top [S, G, 1], log_mass [H_q], value [H_q, D]
+struct LayerTermJob {
+  torch::Tensor query, readers, table, bias, grid;
+  int64_t slots, block, page;
+  torch::Tensor q, logits, page_mass, top, log_mass, value, head_mass, head_value;
+
+  LayerTermJob(torch::Tensor query_, torch::Tensor readers_, torch::Tensor table_,
+               torch::Tensor bias_, torch::Tensor grid_, int64_t slots_, int64_t block_,
+               int64_t page_)
+      : query(query_), readers(readers_), table(table_), bias(bias_), grid(grid_),
+        slots(slots_), block(block_), page(page_) {
+    TORCH_CHECK(query.dim() == 2 && query.scalar_type() == torch::kFloat32 &&
+                query.is_contiguous(), "query");
+    TORCH_CHECK(readers.dim() == 2 && readers.scalar_type() == torch::kInt64 &&
+                readers.is_contiguous() && readers.size(1) >= 1 &&
+                readers.size(1) <= kMaxGroup && readers.size(0) * readers.size(1) == query.size(0),
+                "readers");
+    const int64_t S = readers.size(0), G = readers.size(1), H = query.size(0), D = query.size(1);
+    const int64_t* rp = readers.data_ptr<int64_t>();
+    std::vector<bool> seen(H, false);
+    for (int64_t i = 0; i < H; ++i) {
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < H && !seen[rp[i]], "readers: a permutation of the heads");
+      seen[rp[i]] = true;
+    }
+    q = torch::empty({S, G, D}, query.options());
+    check(q, table, slots, block);
+    logits = torch::empty({S, G, slots}, query.options());
+    check_term(bias, grid, S, slots, page);
+    page_mass = torch::empty({S, G, slots / page}, query.options());
+    top = torch::empty({S, G, 1}, query.options());
+    log_mass = torch::empty({S, G}, query.options());
+    value = torch::empty({S, G, grid.size(2)}, query.options());
+    head_mass = torch::empty({H}, query.options());
+    head_value = torch::empty({H, grid.size(2)}, query.options());
   }
-  auto q = torch::empty({S, G, D}, query.options());
-  check(q, table, slots, block);
-  auto logits = torch::empty({S, G, slots}, query.options());
-  check_term(bias, grid, S, slots, page);
-  const int64_t pages = slots / page;
-  auto page_mass = torch::empty({S, G, pages}, query.options());
-  auto top = torch::empty({S, G, 1}, query.options());
-  auto log_mass = torch::empty({S, G}, query.options());
-  auto value = torch::empty({S, G, grid.size(2)}, query.options());
-  auto head_mass = torch::empty({H}, query.options());
-  auto head_value = torch::empty({H, grid.size(2)}, query.options());
-  {
-    pybind11::gil_scoped_release no_gil;
-    const float factor = static_cast<float>(scale);
+
+  // Without the interpreter lock.
+  void run(float factor) {
+    const int64_t S = readers.size(0), G = readers.size(1), H = query.size(0), D = query.size(1);
+    const int64_t* rp = readers.data_ptr<int64_t>();
     const float* src = query.data_ptr<float>();
     float* qp = q.data_ptr<float>();
     for (int64_t i = 0; i < H; ++i)
@@ -534,7 +547,70 @@ std::vector<torch::Tensor> layer_value_term(torch::Tensor query, torch::Tensor r
                   sizeof(float) * V);
     }
   }
-  return {logits, page_mass, top, head_mass, head_value};
+
+  std::vector<torch::Tensor> parts() const {
+    return {logits, page_mass, top, head_mass, head_value};
+  }
+};
+
+// `LayerTermJob`s of one layer for several requests, computed on one of torch's
+// inter-op threads (`at::launch`) while the caller goes on: the decode thread starts a
+// layer's terms before it attends over the rows and waits for them after, and the thread
+// that computes them never takes the interpreter lock (no hand-offs with the decode loop).
+// The jobs live until computed even if the caller drops this.
+class PendingTerms {
+ public:
+  explicit PendingTerms(std::vector<LayerTermJob> jobs) : jobs_(std::move(jobs)) {}
+
+  void run(float factor) {
+    for (auto& job : jobs_) job.run(factor);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    ready_.notify_all();
+  }
+
+  // -> each job's parts (waits without the interpreter lock)
+  std::vector<std::vector<torch::Tensor>> wait() {
+    {
+      pybind11::gil_scoped_release no_gil;
+      std::unique_lock<std::mutex> lock(mutex_);
+      ready_.wait(lock, [this] { return done_; });
+    }
+    std::vector<std::vector<torch::Tensor>> out;
+    out.reserve(jobs_.size());
+    for (const auto& job : jobs_) out.push_back(job.parts());
+    return out;
+  }
+
+ private:
+  std::vector<LayerTermJob> jobs_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  bool done_ = false;
+};
+
+// Element i of each list is request i's (`LayerTermJob`'s inputs); checked here,
+// computed beside the caller (`PendingTerms::wait` for the parts).
+std::shared_ptr<PendingTerms> start_layers_value_term(
+    std::vector<torch::Tensor> queries, std::vector<torch::Tensor> readers, double scale,
+    std::vector<torch::Tensor> tables, std::vector<torch::Tensor> biases,
+    std::vector<torch::Tensor> grids, std::vector<int64_t> slots, std::vector<int64_t> blocks,
+    std::vector<int64_t> pages) {
+  const size_t n = queries.size();
+  TORCH_CHECK(readers.size() == n && tables.size() == n && biases.size() == n &&
+              grids.size() == n && slots.size() == n && blocks.size() == n && pages.size() == n,
+              "one of each input a request");
+  std::vector<LayerTermJob> jobs;
+  jobs.reserve(n);
+  for (size_t i = 0; i < n; ++i)
+    jobs.emplace_back(queries[i], readers[i], tables[i], biases[i], grids[i], slots[i],
+                      blocks[i], pages[i]);
+  auto pending = std::make_shared<PendingTerms>(std::move(jobs));
+  const float factor = static_cast<float>(scale);
+  at::launch([pending, factor] { pending->run(factor); });
+  return pending;
 }
 
 // A term's log mass and value from page masses [S, G, pages] and top [S, G, 1] (a term with
@@ -584,14 +660,24 @@ torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor b
   }
   return out;
 }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_logits", &block_logits);
+  m.def("block_page_lse", &block_page_lse);
+  m.def("page_lse_of", &page_lse_of);
+  m.def("value_term_of", &value_term_of);
+  m.def("block_value_term", &block_value_term);
+  m.def("term_of", &term_of);
+  m.def("start_layers_value_term", &start_layers_value_term);
+  pybind11::class_<PendingTerms, std::shared_ptr<PendingTerms>>(m, "PendingTerms")
+      .def("wait", &PendingTerms::wait);
+}
 """
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
 # The build's name (a new version when the source changes, so an old build is never loaded).
-KERNEL_VERSION = "v11"
-_FUNCTIONS = ("block_logits", "block_page_lse", "page_lse_of", "value_term_of",
-              "block_value_term", "term_of", "layer_value_term")
+KERNEL_VERSION = "v12"
 # A folder of kernels built ahead (`prebuild`), loaded before a build is tried.
 KERNELS_ENV = "KVRELAY_CODES_KERNELS"
 _MANIFEST = "kernels.json"
@@ -720,7 +806,7 @@ def _compile(name: str, march: str | None, build_directory: str | None) -> Any:
     bin_dir = os.path.dirname(sys.executable)
     os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     flags = ["-O3", *([f"-march={march}"] if march else []), "-fopenmp-simd", "-fno-math-errno"]
-    return cpp_extension.load_inline(name, cpp_sources=_SOURCE, functions=list(_FUNCTIONS),
+    return cpp_extension.load_inline(name, cpp_sources=_SOURCE,
                                      extra_cflags=flags, build_directory=build_directory,
                                      verbose=False)
 
@@ -860,24 +946,26 @@ def block_value_term(query: torch.Tensor, table: torch.Tensor, bias: torch.Tenso
                                          table.shape[1] // dim, block, page))
 
 
-def layer_value_term(query: torch.Tensor, readers: torch.Tensor, scale: float,
-                     table: torch.Tensor, bias: torch.Tensor, grid: torch.Tensor, dim: int,
-                     block: int, page: int) -> tuple[torch.Tensor, ...] | None:
-    """`block_value_term` of one layer's query `[H_q, d_h]` float32, its heads grouped by
-    owner (`readers` `[S, G]`, a permutation of the query heads) and scaled by `scale` in the
-    kernel, the log mass `[H_q]` and value `[H_q, d_h]` per query head: logits, page masses,
-    top, log mass and value, to the bit what grouping and scaling in torch gives, with the
-    interpreter lock let go once. None where the kernel does not run (the caller does it in
-    torch)."""
-    group = readers.shape[1] if readers.dim() == 2 else MAX_GROUP + 1
-    fits = (group <= MAX_GROUP and block <= MAX_BLOCK and query.device.type == "cpu"
-            and query.dtype == torch.float32)
-    module = _module() if fits else None
+def start_layers_value_term(queries: Sequence[torch.Tensor], readers: Sequence[torch.Tensor],
+                            scale: float, tables: Sequence[torch.Tensor],
+                            biases: Sequence[torch.Tensor], grids: Sequence[torch.Tensor],
+                            dim: int, blocks: Sequence[int], pages: Sequence[int]) -> Any | None:
+    """`bound.layer_value_term` of one layer for several requests (item i of each sequence is
+    request i's), computed on one of torch's inter-op threads while the caller goes on, that
+    thread never taking the interpreter lock: the kernel's pending terms, whose `wait()`
+    answers a list of five a request (logits, page masses, top, and the log mass `[H_q]` and
+    value `[H_q, d_h]` per query head), to the bit `block_value_term` of the grouped, scaled
+    query. `readers`, `biases` (float32) and `grids` contiguous, as `bound.TermInputs` holds
+    them (the kernel checks). None where the kernel does not run for every one of them (the
+    caller does it request by request)."""
+    fits = all(r.dim() == 2 and r.shape[1] <= MAX_GROUP and q.device.type == "cpu"
+               and q.dtype == torch.float32 for q, r in zip(queries, readers, strict=True))
+    module = _module() if fits and all(block <= MAX_BLOCK for block in blocks) else None
     if module is None:
         return None
-    return tuple(module.layer_value_term(query.contiguous(), readers.contiguous(), scale, table,
-                                         bias.float().contiguous(), grid.contiguous(),
-                                         table.shape[1] // dim, block, page))
+    return module.start_layers_value_term(
+        [q.contiguous() for q in queries], list(readers), scale, list(tables), list(biases),
+        list(grids), [t.shape[1] // dim for t in tables], list(blocks), list(pages))
 
 
 def value_term_of(logits: torch.Tensor, bias: torch.Tensor, grid: torch.Tensor,

@@ -85,7 +85,7 @@ from services.kvpolicy.manifest import (
     TimeoutFallback,
 )
 from services.kvpolicy.state import KVPolicyState
-from services.model.kvcache import DecodeCache, StepCapture
+from services.model.kvcache import DecodeCache, OmittedPart, OmittedTerm, StepCapture
 from services.model.model import CausalLM
 from services.model.runtime import decode_step
 from services.offload.bound import (
@@ -95,6 +95,7 @@ from services.offload.bound import (
     Ranking,
     RecallChoice,
     RecallPolicy,
+    TermInputs,
     bound_omitted_mass,
     choose_estimated,
     choose_pages,
@@ -105,6 +106,8 @@ from services.offload.bound import (
     owner_readers,
     page_code_log_odds,
     sketched_code_log_odds,
+    start_layer_value_terms,
+    term_inputs,
 )
 from services.offload.errors import (
     BoundInputInvalid,
@@ -900,11 +903,13 @@ class ValueTermSource:
         self._bias: torch.Tensor | None = None  # `live_bias` of the live pages
         self._grid: torch.Tensor | None = None  # `live_grid` of the live pages
         self._ahead: AheadTerms | None = None  # computed beside the last evaluated step
+        self._layer_inputs: list[TermInputs | None] = [None] * layers  # (`_inputs`)
 
     def bind(self, head_to_owner: Sequence[int], scale: float) -> None:
         """The cache's query-head layout and attention scale."""
         self._readers = owner_readers(self.summaries, head_to_owner)
         self._scale = scale
+        self._layer_inputs = [None] * self.summaries.num_layers
 
     def begin_step(self, *, fresh: bool, take_ahead: bool = False) -> None:
         """Before a step: compute every layer's term afresh (`fresh`) or reuse the last one;
@@ -938,27 +943,73 @@ class ValueTermSource:
         if live != self._live_count or self._bias is None:
             self._bias = live_bias(self.summaries, self._live)
             self._grid = live_grid(self.summaries, self._live)
+            self._layer_inputs = [None] * self.summaries.num_layers
             self._live_count = live
             self._layer_live = self._grid.view(self.summaries.num_layers, -1).sum(dim=1).tolist()
         return live
 
-    def __call__(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(self, layer: int, query: torch.Tensor) -> OmittedPart | None:
+        return ValueTermSource.start_layer_parts(layer, [(self, query)])()[0]
+
+    @staticmethod
+    def start_layer_parts(
+        layer: int, calls: Sequence[tuple[OmittedTerm, torch.Tensor]],
+    ) -> Callable[[], list[OmittedPart | None]]:
+        """Layer l's parts of several requests' terms (`OmittedTerm.start_layer_parts`): those
+        computed afresh started on the kernel's thread (`bound.start_layer_value_terms`), the
+        others reused; the function returned waits for them and keeps them."""
+        parts: list[OmittedPart | None] = [None] * len(calls)
+        fresh: dict[float, list[tuple[int, ValueTermSource, torch.Tensor]]] = {}
+        for i, (source, query) in enumerate(calls):
+            assert isinstance(source, ValueTermSource)
+            if source._reuses(layer):
+                parts[i] = source._keep(layer, source._reused(layer), fresh=False)
+            elif source._live_count:
+                fresh.setdefault(source._scale, []).append((i, source, query))
+        started = [(group, start_layer_value_terms(
+            [(source._inputs(layer), query) for _, source, query in group], scale))
+            for scale, group in fresh.items()]
+
+        def finish() -> list[OmittedPart | None]:
+            for group, wait in started:
+                for (i, source, _), term in zip(group, wait(), strict=True):
+                    parts[i] = source._keep(layer, term, fresh=True)
+            return parts
+
+        return finish
+
+    def _reuses(self, layer: int) -> bool:
+        """Whether layer l's part is its last term (pages recalled since taken out), not one
+        computed afresh (False too when nothing is omitted: no part at all)."""
         if self._live_count < 0:  # asked before any step began
             self.recount()
         if self._live_count == 0:
-            return None
-        live = self._layer_live[layer]
+            return False
         term = self._terms[layer]
-        recalled = self._term_live[layer] != live
-        if term is None or self._fresh or (recalled and self._refresh_on_recall):
-            assert self._readers is not None and self._bias is not None, "bind() first"
-            term = layer_value_term(self.summaries, layer, query, self._readers, self._bias,
-                                    self._scale)
-            self._fresh_layers.add(layer)
-        elif recalled:
+        recalled = self._term_live[layer] != self._layer_live[layer]
+        return not (term is None or self._fresh or (recalled and self._refresh_on_recall))
+
+    def _reused(self, layer: int) -> LayerTerm:
+        term = self._terms[layer]
+        assert term is not None
+        if self._term_live[layer] != self._layer_live[layer]:  # pages recalled since
             assert self._grid is not None
             term = term.without(self.summaries, self._grid)
-        self._terms[layer], self._term_live[layer] = term, live
+        return term
+
+    def _inputs(self, layer: int) -> TermInputs:
+        """Layer l's kernel inputs, kept until pages are recalled (`recount`)."""
+        inputs = self._layer_inputs[layer]
+        if inputs is None:
+            assert self._readers is not None and self._bias is not None, "bind() first"
+            inputs = term_inputs(self.summaries, layer, self._readers, self._bias)
+            self._layer_inputs[layer] = inputs
+        return inputs
+
+    def _keep(self, layer: int, term: LayerTerm, *, fresh: bool) -> OmittedPart:
+        if fresh:
+            self._fresh_layers.add(layer)
+        self._terms[layer], self._term_live[layer] = term, self._layer_live[layer]
         return term.log_mass, term.value
 
     def fresh_logits(self, layer: int) -> torch.Tensor | None:

@@ -3,8 +3,7 @@ brute-force recomputation, logits unchanged) and undoing the step just committed
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -263,59 +262,65 @@ def test_a_malformed_term_is_refused_naming_the_request(mass: torch.Tensor,
     assert error.value.field == "omitted_term"
 
 
-class InlineThread:
-    """A term thread that runs what it is handed at once, on the caller's thread."""
+class StartedTerm:
+    """A term that starts beside the step (`OmittedTerm.start_layer_parts`), logging when its
+    layer's terms start and when the cache waits for them."""
 
-    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
-        future: concurrent.futures.Future[object] = concurrent.futures.Future()
-        future.set_result(fn(*args))
-        return future
+    def __init__(self, exact: ExactTerm, log: list[tuple[str, int, int]]) -> None:
+        self.exact, self.log = exact, log
+
+    def __call__(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.exact(layer, q)
+
+    @staticmethod
+    def start_layer_parts(layer: int, calls: list[tuple[StartedTerm, torch.Tensor]]
+                          ) -> Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]:
+        log = calls[0][0].log
+        log.append(("start", layer, len(calls)))
+        parts = [term.exact(layer, q) for term, q in calls]
+
+        def wait() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            log.append(("wait", layer, len(calls)))
+            return parts
+
+        return wait
 
 
-def test_a_layers_terms_run_on_two_threads_side_by_side_and_merge_as_on_one(
+def test_terms_that_start_beside_the_step_start_before_the_rows_and_merge_as_asked_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cache's term thread starts on a layer's terms as the layer attends and the decode
-    thread takes the ones it has not begun: request "req"'s term waits until "b"'s has
-    started, which only a second thread can do. Each term is asked once a layer, and the step
-    equals the one whose terms all ran on the decode thread, to the bit."""
+    """Terms sharing a `start_layer_parts` are started together once a layer, before the
+    layer attends over its rows, and waited for after; the step equals the one whose terms
+    were asked one by one, to the bit."""
     model = tiny_llama()
     k, v, selected, owner_map = _prompt(model, False)
+    log: list[tuple[str, int, int]] = []
+    attend = kvcache.paged_decode_attention
 
-    def batch(wait: bool) -> tuple[DecodeCache, dict[str, list[str]], list[bool]]:
+    def logged(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log.append(("attend", -1, 0))
+        return attend(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kvcache, "paged_decode_attention", logged)
+
+    def batch(started: bool) -> DecodeCache:
         cache = ragged_cache(model, expand=False)
         cache.admit_dense("b", k[:, :, :5], v[:, :, :5])
         exact = ExactTerm(cache, k, v, selected, owner_map)
-        threads: dict[str, list[str]] = {"req": [], "b": []}
-        met: list[bool] = []
-        started = threading.Event()
+        for request_id in ("req", "b"):
+            cache.set_omitted_term(request_id, StartedTerm(exact, log) if started else
+                                   exact)
+        return cache
 
-        def term_a(layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            threads["req"].append(threading.current_thread().name)
-            if wait and layer == 0:
-                met.append(started.wait(timeout=10.0))
-            return exact(layer, q)
-
-        def term_b(layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            threads["b"].append(threading.current_thread().name)
-            started.set()
-            return torch.full((q.shape[0],), 0.5 * layer), q * 0.25
-
-        cache.set_omitted_term("req", term_a)
-        cache.set_omitted_term("b", term_b)
-        return cache, threads, met
-
-    cache, threads, met = batch(wait=True)
-    side_by_side = decode_step(model, cache, [7, 4])
-    assert met == [True]  # "b" started while "req" waited: on the other thread
-    assert threads["req"][0] != threads["b"][0]
-    assert len(threads["req"]) == len(threads["b"]) == model.config.num_layers
-    monkeypatch.setattr(kvcache, "_term_thread", InlineThread)
-    cache, threads, _ = batch(wait=False)
-    assert torch.equal(decode_step(model, cache, [7, 4]), side_by_side)
-    assert set(threads["req"]) | set(threads["b"]) == {threading.current_thread().name}
+    asked = decode_step(model, batch(False), [7, 4])
+    log.clear()
+    started = decode_step(model, batch(True), [7, 4])
+    assert torch.equal(started, asked)
+    layers = model.config.num_layers
+    assert log == [entry for layer in range(layers)
+                   for entry in (("start", layer, 2), ("attend", -1, 0), ("wait", layer, 2))]
 
 
-def test_a_term_that_raises_on_the_term_thread_fails_the_step_and_the_cache_goes_on() -> None:
+def test_a_term_that_raises_fails_the_step_and_the_cache_goes_on() -> None:
     model = tiny_llama()
     cache = ragged_cache(model, expand=False)
 

@@ -309,18 +309,10 @@ def test_unknown_levels_are_refused_before_anything_is_built(tmp_path: Path) -> 
     assert not (tmp_path / "kernels").exists()
 
 
-def test_a_layers_term_in_one_call_equals_grouping_and_scaling_in_torch() -> None:
-    """`layer_value_term` gathers and scales each owner's reading heads and writes the term per
-    query head inside the kernel (one hand-off of the interpreter lock a layer): the same bits
-    as scaling and grouping in torch before `block_value_term` and ordering its output by head."""
-    if not codes_kernel.available():
-        assert codes_kernel.layer_value_term(torch.zeros(9, 64), torch.arange(9).view(3, 3), 0.125,
-                                             torch.zeros(3, 64 * 8, dtype=torch.bfloat16),
-                                             torch.zeros(3, 8), torch.zeros(3, 1, 64, dtype=torch.bfloat16),
-                                             64, 8, 8) is None
-        return
-    gen = torch.Generator().manual_seed(11)
-    owners, group, dim, slots, page = 3, 3, 64, 200, 8
+def _term_request(gen: torch.Generator, slots: int) -> tuple[torch.Tensor, ...]:
+    """One request's layer: query `[9, 64]`, a permutation of its heads as readers, a table of
+    `slots` slots, a bias with some pages not live, and a value grid."""
+    owners, group, dim, page = 3, 3, 64, 8
     block = codes_kernel.table_block(page, slots)
     table = codes_kernel.to_blocks(torch.randn(owners, dim, slots, generator=gen).to(torch.bfloat16), block)
     query = torch.randn(owners * group, dim, generator=gen)
@@ -328,15 +320,42 @@ def test_a_layers_term_in_one_call_equals_grouping_and_scaling_in_torch() -> Non
     bias = torch.zeros(owners, slots)
     bias[1, -3 * page:] = -math.inf
     grid = torch.randn(owners, slots // page, dim, generator=gen).to(torch.bfloat16)
-    scale = dim ** -0.5
-    logits, page_mass, top, mass, value = codes_kernel.layer_value_term(
-        query, readers, scale, table, bias, grid, dim, block, page)
-    want = codes_kernel.block_value_term((query * scale)[readers], table, bias, grid, dim, block, page)
-    for got, expected in zip((logits, page_mass, top), want[:3], strict=True):
-        assert torch.equal(got, expected)
-    heads = readers.flatten()
-    assert torch.equal(mass[heads], want[3].flatten())
-    assert torch.equal(value[heads], want[4].flatten(0, 1))
+    return query, readers, table, bias, grid
+
+
+def test_a_layers_terms_started_beside_the_caller_equal_grouping_and_scaling_in_torch() -> None:
+    """`start_layers_value_term` computes several requests' terms of a layer on torch's
+    inter-op thread, gathering and scaling each owner's reading heads and writing the term per
+    query head inside the kernel: each request's bits equal scaling and grouping in torch
+    before `block_value_term` and ordering its output by head. Bad readers are refused when
+    the terms start; a start nobody waits for still finishes without harm."""
+    dim, page, scale = 64, 8, 64 ** -0.5
+    gen = torch.Generator().manual_seed(11)
+    requests = [_term_request(gen, slots) for slots in (200, 96)]
+    blocks = [codes_kernel.table_block(page, table.shape[1] // dim) for _, _, table, _, _ in requests]
+
+    def start(readers: list[torch.Tensor]) -> object:
+        return codes_kernel.start_layers_value_term(
+            [query for query, *_ in requests], readers, scale,
+            [table for _, _, table, _, _ in requests], [bias for *_, bias, _ in requests],
+            [grid for *_, grid in requests], dim, blocks, [page, page])
+
+    pending = start([readers for _, readers, *_ in requests])
+    if not codes_kernel.available():
+        assert pending is None
+        return
+    assert pending is not None
+    for (query, readers, table, bias, grid), block, parts in zip(
+            requests, blocks, pending.wait(), strict=True):
+        logits, page_mass, top, mass, value = parts
+        want = codes_kernel.block_value_term((query * scale)[readers], table, bias, grid, dim,
+                                             block, page)
+        for got, expected in zip((logits, page_mass, top), want[:3], strict=True):
+            assert torch.equal(got, expected)
+        heads = readers.flatten()
+        assert torch.equal(mass[heads], want[3].flatten())
+        assert torch.equal(value[heads], want[4].flatten(0, 1))
     with pytest.raises(RuntimeError, match="permutation"):
-        codes_kernel.layer_value_term(query, torch.zeros_like(readers), scale, table, bias, grid,
-                                      dim, block, page)
+        start([torch.zeros_like(readers) for _, readers, *_ in requests])
+    start([readers for _, readers, *_ in requests])  # dropped: computed all the same
+    assert len(start([readers for _, readers, *_ in requests]).wait()) == 2

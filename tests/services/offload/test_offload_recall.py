@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import pytest
@@ -855,6 +855,9 @@ def inline_and_beside(model: CausalLM, compressed: Compressed, monkeypatch: pyte
             steps.append((step.logits[0], step.outcomes["req"]))
             token = int(step.logits[0].argmax())
         runs[background] = steps
+    # The last step's layers are scored on the planner thread after the step returns (its
+    # plan is collected by a step this run never makes): what it queued is done before this.
+    recall_engine.plan_pool().submit(lambda: None).result(timeout=10.0)
     return runs[False], runs[True], scored
 
 
@@ -1140,21 +1143,33 @@ def test_terms_computed_ahead_serve_the_next_step_and_come_from_the_planner_thre
     compute = recall_engine.layer_value_term
     steps: list[int] = [0]
 
-    def recording(*args: object, **kwargs: object) -> object:
-        computed_on.append((steps[0], threading.current_thread().name))
-        return compute(*args, **kwargs)  # type: ignore[arg-type]
+    def recorded(name: str) -> None:
+        computing = getattr(recall_engine, name)
 
-    monkeypatch.setattr(recall_engine, "layer_value_term", recording)
+        def recording(*args: object, **kwargs: object) -> object:
+            computed_on.append((steps[0], threading.current_thread().name))
+            return computing(*args, **kwargs)
+
+        monkeypatch.setattr(recall_engine, name, recording)
+
+    recorded("layer_value_term")  # the planner's (`AheadTerms`)
+    recorded("start_layer_value_terms")  # the decode step's
     seen: dict[tuple[int, int], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]] = {}
-    answer = recall_engine.ValueTermSource.__call__
+    start = recall_engine.ValueTermSource.start_layer_parts
 
-    def asked(self: recall_engine.ValueTermSource, layer: int, query: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        part = answer(self, layer, query)
-        seen[steps[0], layer] = (query.clone(), part)
-        return part
+    def asked(layer: int, calls: Sequence[tuple[object, torch.Tensor]]
+              ) -> Callable[[], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+        wait = start(layer, calls)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(recall_engine.ValueTermSource, "__call__", asked)
+        def waited() -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+            parts = wait()
+            for (_, query), part in zip(calls, parts, strict=True):
+                seen[steps[0], layer] = (query.clone(), part)
+            return parts
+
+        return waited
+
+    monkeypatch.setattr(recall_engine.ValueTermSource, "start_layer_parts", staticmethod(asked))
     cache = view_cache(model, compressed)
     token = compressed.first_token
     for index in range(STEPS):
