@@ -446,6 +446,33 @@ def layer_page_lse(
                                        summaries.page_size)
 
 
+def start_layer_page_lse(
+    summaries: Sequence[PageSummaries], layer: int, logits: Sequence[torch.Tensor],
+    retained_lse: torch.Tensor, rows: Sequence[int], readers: Sequence[torch.Tensor],
+) -> Callable[[], list[torch.Tensor]]:
+    """`layer_page_lse` from the layer's code logits for several requests (request i: its
+    summaries, its logits `[H_owner, G, slots]` (`LayerTerm.logits`), its row of the step's r
+    `retained_lse` `[B, H_q]` and its readers), started on the kernel's own thread while the
+    caller goes on (`codes_kernel.start_pages_lse_of`); returns the function that waits for
+    them, each `[H_owner, slots / page_size]` to the bit `layer_page_lse`'s. Where the kernel
+    does not take them all they are computed here, request by request, before this returns."""
+    tables = [one.code_table for one in summaries]
+    if any(not 0 <= layer < one.num_layers for one in summaries):
+        raise BoundInputInvalid("layer", f"{layer} is not a layer of every request")
+    bias = [table.slot_bias[layer * one.num_owners:(layer + 1) * one.num_owners]
+            for one, table in zip(summaries, tables, strict=True)]
+    pending = codes_kernel.start_pages_lse_of(
+        logits, retained_lse.detach().cpu(), rows, readers, bias,
+        [table.block for table in tables], [one.page_size for one in summaries])
+    if pending is not None:
+        return lambda: [parts[0] for parts in pending.wait()]
+    pages = [codes_kernel.page_lse_of(part, retained_lse[row].detach().double().cpu()[heads].float(),
+                                      rows_bias, table.block, one.page_size)
+             for one, table, part, row, heads, rows_bias
+             in zip(summaries, tables, logits, rows, readers, bias, strict=True)]
+    return lambda: pages
+
+
 def page_code_log_odds(
     summaries: PageSummaries,
     query: torch.Tensor,

@@ -553,17 +553,16 @@ struct LayerTermJob {
   }
 };
 
-// `LayerTermJob`s of one layer for several requests, computed on one of torch's
-// inter-op threads (`at::launch`) while the caller goes on: the decode thread starts a
-// layer's terms before it attends over the rows and waits for them after, and the thread
-// that computes them never takes the interpreter lock (no hand-offs with the decode loop).
-// The jobs live until computed even if the caller drops this.
-class PendingTerms {
+// Work computed on one of torch's inter-op threads (`at::launch`) while the caller goes on:
+// the decode thread starts a layer's terms before it attends over the rows and waits for them
+// after, and the thread that computes them never takes the interpreter lock (no hand-offs
+// with the decode loop). Its outputs, allocated before it starts, live until computed even if
+// the caller drops this.
+class Pending {
  public:
-  explicit PendingTerms(std::vector<LayerTermJob> jobs) : jobs_(std::move(jobs)) {}
+  explicit Pending(std::vector<std::vector<torch::Tensor>> parts) : parts_(std::move(parts)) {}
 
-  void run(float factor) {
-    for (auto& job : jobs_) job.run(factor);
+  void finish() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_ = true;
@@ -578,22 +577,34 @@ class PendingTerms {
       std::unique_lock<std::mutex> lock(mutex_);
       ready_.wait(lock, [this] { return done_; });
     }
-    std::vector<std::vector<torch::Tensor>> out;
-    out.reserve(jobs_.size());
-    for (const auto& job : jobs_) out.push_back(job.parts());
-    return out;
+    return parts_;
   }
 
  private:
-  std::vector<LayerTermJob> jobs_;
+  std::vector<std::vector<torch::Tensor>> parts_;
   std::mutex mutex_;
   std::condition_variable ready_;
   bool done_ = false;
 };
 
-// Element i of each list is request i's (`LayerTermJob`'s inputs); checked here,
-// computed beside the caller (`PendingTerms::wait` for the parts).
-std::shared_ptr<PendingTerms> start_layers_value_term(
+// `jobs` (checked, outputs allocated) run one after another by `run` beside the caller.
+template <typename Job, typename Run>
+std::shared_ptr<Pending> launch(std::vector<Job> jobs, Run run) {
+  std::vector<std::vector<torch::Tensor>> parts;
+  parts.reserve(jobs.size());
+  for (const auto& job : jobs) parts.push_back(job.parts());
+  auto pending = std::make_shared<Pending>(std::move(parts));
+  auto work = std::make_shared<std::vector<Job>>(std::move(jobs));
+  at::launch([pending, work, run]() mutable {
+    for (auto& job : *work) run(job);
+    pending->finish();
+  });
+  return pending;
+}
+
+// Element i of each list is request i's (`LayerTermJob`'s inputs); checked here, computed
+// beside the caller (`Pending::wait` for the parts).
+std::shared_ptr<Pending> start_layers_value_term(
     std::vector<torch::Tensor> queries, std::vector<torch::Tensor> readers, double scale,
     std::vector<torch::Tensor> tables, std::vector<torch::Tensor> biases,
     std::vector<torch::Tensor> grids, std::vector<int64_t> slots, std::vector<int64_t> blocks,
@@ -607,10 +618,8 @@ std::shared_ptr<PendingTerms> start_layers_value_term(
   for (size_t i = 0; i < n; ++i)
     jobs.emplace_back(queries[i], readers[i], tables[i], biases[i], grids[i], slots[i],
                       blocks[i], pages[i]);
-  auto pending = std::make_shared<PendingTerms>(std::move(jobs));
   const float factor = static_cast<float>(scale);
-  at::launch([pending, factor] { pending->run(factor); });
-  return pending;
+  return launch(std::move(jobs), [factor](LayerTermJob& job) { job.run(factor); });
 }
 
 // A term's log mass and value from page masses [S, G, pages] and top [S, G, 1] (a term with
@@ -636,6 +645,20 @@ std::vector<torch::Tensor> term_of(torch::Tensor page_mass, torch::Tensor top,
   return {log_mass, value};
 }
 
+// Page log-sum-exps from logits already computed, one segment after another (no lock).
+void page_lse_into(const float* lp, int64_t S, int64_t G, int64_t slots, const float* r,
+                   const float* bias, int64_t block, int64_t page, float* op) {
+  const float* rows[kMaxGroup];
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t n0 = 0; n0 < slots; n0 += block) {
+      const int64_t width = std::min(block, slots - n0);
+      for (int64_t g = 0; g < G; ++g) rows[g] = lp + (s * G + g) * slots + n0;
+      reduce_pages(rows, G, r + s * G, bias + s * slots + n0, width, page,
+                   op + s * (slots / page) + n0 / page);
+    }
+  }
+}
+
 // The same page log-sum-exps from logits already computed (`block_logits`), to the bit
 // -> [S, slots / page] float32
 torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor bias,
@@ -647,18 +670,68 @@ torch::Tensor page_lse_of(torch::Tensor logits, torch::Tensor r, torch::Tensor b
   check_reduce(r, bias, S, G, slots, block, page);
   auto out = torch::empty({S, slots / page}, logits.options());
   pybind11::gil_scoped_release no_gil;
-  const float* lp = logits.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* rows[kMaxGroup];
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t n0 = 0; n0 < slots; n0 += block) {
-      const int64_t width = std::min(block, slots - n0);
-      for (int64_t g = 0; g < G; ++g) rows[g] = lp + (s * G + g) * slots + n0;
-      reduce_pages(rows, G, r.data_ptr<float>() + s * G, bias.data_ptr<float>() + s * slots + n0,
-                   width, page, op + s * (slots / page) + n0 / page);
-    }
-  }
+  page_lse_into(logits.data_ptr<float>(), S, G, slots, r.data_ptr<float>(),
+                bias.data_ptr<float>(), block, page, out.data_ptr<float>());
   return out;
+}
+
+// One request's `page_lse_of` for one layer, its r gathered from the step's log-sum-exps:
+// r[s, g] = lse[row, readers[s, g]]. Checked and allocated with the interpreter lock held;
+// `run` computes without it. parts: the page log-sum-exps [S, slots / page]
+struct PageLseJob {
+  torch::Tensor logits, lse, readers, bias, r, out;
+  int64_t row, block, page;
+
+  PageLseJob(torch::Tensor logits_, torch::Tensor lse_, int64_t row_, torch::Tensor readers_,
+             torch::Tensor bias_, int64_t block_, int64_t page_)
+      : logits(logits_), lse(lse_), readers(readers_), bias(bias_), row(row_), block(block_),
+        page(page_) {
+    TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == torch::kFloat32 &&
+                logits.is_contiguous() && logits.size(1) <= kMaxGroup, "logits");
+    TORCH_CHECK(block >= 1 && block <= kMaxBlock, "block");
+    const int64_t S = logits.size(0), G = logits.size(1), slots = logits.size(2);
+    TORCH_CHECK(lse.dim() == 2 && lse.scalar_type() == torch::kFloat32 && lse.is_contiguous() &&
+                row >= 0 && row < lse.size(0), "lse");
+    TORCH_CHECK(readers.dim() == 2 && readers.scalar_type() == torch::kInt64 &&
+                readers.is_contiguous() && readers.size(0) == S && readers.size(1) == G, "readers");
+    const int64_t* rp = readers.data_ptr<int64_t>();
+    for (int64_t i = 0; i < S * G; ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < lse.size(1), "readers: heads of the step");
+    r = torch::empty({S, G}, logits.options());
+    check_reduce(r, bias, S, G, slots, block, page);
+    out = torch::empty({S, slots / page}, logits.options());
+  }
+
+  void run() {
+    const int64_t S = logits.size(0), G = logits.size(1), slots = logits.size(2);
+    const float* heads = lse.data_ptr<float>() + row * lse.size(1);
+    const int64_t* rp = readers.data_ptr<int64_t>();
+    float* rr = r.data_ptr<float>();
+    for (int64_t i = 0; i < S * G; ++i) rr[i] = heads[rp[i]];
+    page_lse_into(logits.data_ptr<float>(), S, G, slots, rr, bias.data_ptr<float>(), block,
+                  page, out.data_ptr<float>());
+  }
+
+  std::vector<torch::Tensor> parts() const { return {out}; }
+};
+
+// Several requests' `page_lse_of` of one layer (element i of each list is request i's; `rows`:
+// each request's row of the step's log-sum-exps `lse` [B, H_q]), computed beside the caller
+// like `start_layers_value_term`: the planner reads them without scoring the layer itself.
+std::shared_ptr<Pending> start_pages_lse_of(std::vector<torch::Tensor> logits, torch::Tensor lse,
+                                            std::vector<int64_t> rows,
+                                            std::vector<torch::Tensor> readers,
+                                            std::vector<torch::Tensor> biases,
+                                            std::vector<int64_t> blocks,
+                                            std::vector<int64_t> pages) {
+  const size_t n = logits.size();
+  TORCH_CHECK(rows.size() == n && readers.size() == n && biases.size() == n &&
+              blocks.size() == n && pages.size() == n, "one of each input a request");
+  std::vector<PageLseJob> jobs;
+  jobs.reserve(n);
+  for (size_t i = 0; i < n; ++i)
+    jobs.emplace_back(logits[i], lse, rows[i], readers[i], biases[i], blocks[i], pages[i]);
+  return launch(std::move(jobs), [](PageLseJob& job) { job.run(); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -669,8 +742,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_value_term", &block_value_term);
   m.def("term_of", &term_of);
   m.def("start_layers_value_term", &start_layers_value_term);
-  pybind11::class_<PendingTerms, std::shared_ptr<PendingTerms>>(m, "PendingTerms")
-      .def("wait", &PendingTerms::wait);
+  m.def("start_pages_lse_of", &start_pages_lse_of);
+  pybind11::class_<Pending, std::shared_ptr<Pending>>(m, "Pending").def("wait", &Pending::wait);
 }
 """
 
@@ -966,6 +1039,23 @@ def start_layers_value_term(queries: Sequence[torch.Tensor], readers: Sequence[t
     return module.start_layers_value_term(
         [q.contiguous() for q in queries], list(readers), scale, list(tables), list(biases),
         list(grids), [t.shape[1] // dim for t in tables], list(blocks), list(pages))
+
+
+def start_pages_lse_of(logits: Sequence[torch.Tensor], lse: torch.Tensor, rows: Sequence[int],
+                       readers: Sequence[torch.Tensor], biases: Sequence[torch.Tensor],
+                       blocks: Sequence[int], pages: Sequence[int]) -> Any | None:
+    """`page_lse_of` of one layer for several requests (item i of each sequence is request
+    i's: its code logits `[S, G, slots]`, its row of the step's log-sum-exps `lse` `[B, H_q]`
+    float32, whose heads `readers` `[S, G]` gathers into r, its slot bias `[S, slots]` float32),
+    computed on one of torch's inter-op threads like `start_layers_value_term`: pending page
+    log-sum-exps, whose `wait()` answers `[out]` a request, to the bit `page_lse_of`'s. None
+    where the kernel does not run for every one of them."""
+    fits = all(part.shape[1] <= MAX_GROUP and part.device.type == "cpu" for part in logits)
+    module = _module() if fits and all(block <= MAX_BLOCK for block in blocks) else None
+    if module is None:
+        return None
+    return module.start_pages_lse_of(list(logits), lse.float().contiguous(), list(rows),
+                                     list(readers), list(biases), list(blocks), list(pages))
 
 
 def value_term_of(logits: torch.Tensor, bias: torch.Tensor, grid: torch.Tensor,

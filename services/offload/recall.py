@@ -106,6 +106,7 @@ from services.offload.bound import (
     owner_readers,
     page_code_log_odds,
     sketched_code_log_odds,
+    start_layer_page_lse,
     start_layer_value_terms,
     term_inputs,
 )
@@ -1026,19 +1027,26 @@ class ValueTermSource:
         return CodeLogits(torch.cat([t.logits for t in terms if t is not None]), self._readers)
 
 
+_ScoreWork = tuple[str, PageSummaries, int, torch.Tensor, "AheadTerms | None",
+                   "ValueTermSource | None"]
+"""A session `LayerScores` scores: request id, summaries, slot, readers, terms computed ahead
+and its value term."""
+
+
 class LayerScores:
     """One step's codes scoring for the sessions that score alongside it
     (`RecallSession.scores_alongside`): as each layer's attention is captured (`StepCapture.
     on_layer`), the planner thread scores that layer's segments of every such session's codes
-    table (`bound.layer_page_lse`), while the decode thread runs the later layers. A session
-    whose value term the decode thread computed for the layer (before the capture) is scored
-    from the term's code logits, not the table (the same scores to the bit). The sessions'
-    background plans, queued behind the layers, read the scores (`page_lse`)."""
+    table (`bound.layer_page_lse`), while the decode thread runs the later layers. The
+    sessions whose value term computed the layer's code logits (before the capture) are scored
+    from those, not the table (the same scores to the bit), on the kernel's own thread
+    (`bound.start_layer_page_lse`: no interpreter lock, no hand-off to the planner). The
+    sessions' background plans, queued behind the layers, read the scores (`page_lse`)."""
 
     def __init__(self, sessions: Mapping[str, RecallSession], slots: Mapping[str, int],
                  cache: DecodeCache) -> None:
         self._scale = cache.scale
-        self._work = []
+        self._work: list[_ScoreWork] = []
         for request_id, session in sessions.items():
             assert session.summaries is not None
             readers = owner_readers(session.summaries, cache.head_to_owner)
@@ -1052,14 +1060,39 @@ class LayerScores:
         }
         self._errors: dict[str, BaseException] = {}
         self._futures: list[concurrent.futures.Future[None]] = []
+        # Layers scored on the kernel's thread: each layer, its sessions and the wait.
+        self._started: list[tuple[int, list[str], Callable[[], list[torch.Tensor]]]] = []
 
     def submit(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
         """`StepCapture.on_layer`: score `layer` from its queries `[B, H_q, d_h]` and r
-        `[B, H_q]` on the planner thread."""
-        self._futures.append(plan_pool().submit(self._score, layer, query, lse))
+        `[B, H_q]`: the sessions whose term computed the layer's code logits on the kernel's
+        own thread (`bound.start_layer_page_lse`, started here), the others on the planner
+        thread."""
+        fresh, rest = [], []
+        for work in self._work:
+            term, ahead = work[5], work[4]
+            logits = None if term is None or ahead is not None else term.fresh_logits(layer)
+            if logits is None:
+                rest.append(work)
+            else:
+                fresh.append((work, logits))
+        if fresh:
+            members = [work[0] for work, _ in fresh]
+            try:
+                wait = start_layer_page_lse(
+                    [work[1] for work, _ in fresh], layer, [logits for _, logits in fresh],
+                    lse, [work[2] for work, _ in fresh], [work[3] for work, _ in fresh])
+            except Exception as exc:  # noqa: BLE001 - raised by those sessions' plans only
+                for request_id in members:
+                    self._errors[request_id] = exc
+            else:
+                self._started.append((layer, members, wait))
+        if rest:
+            self._futures.append(plan_pool().submit(self._score, rest, layer, query, lse))
 
-    def _score(self, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
-        for request_id, summaries, slot, readers, ahead, term in self._work:
+    def _score(self, work: list[_ScoreWork], layer: int, query: torch.Tensor,
+               lse: torch.Tensor) -> None:
+        for request_id, summaries, slot, readers, ahead, term in work:
             try:
                 if ahead is not None:
                     self._pages[request_id][layer] = ahead.layer(layer, query[slot], lse[slot])
@@ -1073,9 +1106,14 @@ class LayerScores:
 
     def page_lse(self, request_id: str) -> torch.Tensor:
         """The session's page scores of every layer `[S, slots / page_size]` (waits for the
-        layers still being scored; on the one planner thread they are already done)."""
+        layers still being scored; on the one planner thread they are already done). On the
+        planner thread only."""
         for future in self._futures:
             future.result()
+        started, self._started = self._started, []
+        for layer, members, wait in started:
+            for member, pages in zip(members, wait(), strict=True):
+                self._pages[member][layer] = pages
         error = self._errors.get(request_id)
         if error is not None:
             raise error

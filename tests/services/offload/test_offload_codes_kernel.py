@@ -359,3 +359,31 @@ def test_a_layers_terms_started_beside_the_caller_equal_grouping_and_scaling_in_
         start([torch.zeros_like(readers) for _, readers, *_ in requests])
     start([readers for _, readers, *_ in requests])  # dropped: computed all the same
     assert len(start([readers for _, readers, *_ in requests]).wait()) == 2
+
+
+def test_page_scores_started_from_a_steps_log_sum_exps_equal_page_lse_of() -> None:
+    """`start_pages_lse_of` gathers each request's r from its row of the step's log-sum-exps
+    and reduces its code logits to page log-sum-exps on torch's inter-op thread: the bits of
+    `page_lse_of` with r gathered in torch. Readers naming no head of the step are refused."""
+    gen = torch.Generator().manual_seed(5)
+    owners, group, page = 3, 3, 8
+    slots = (64, 40)
+    logits = [torch.randn(owners, group, n, generator=gen) for n in slots]
+    lse = torch.randn(2, owners * group, generator=gen)
+    readers = [torch.randperm(owners * group, generator=gen).view(owners, group) for _ in slots]
+    biases = [torch.zeros(owners, n) for n in slots]
+    biases[0][1, -page:] = -math.inf
+    blocks = [codes_kernel.table_block(page, n) for n in slots]
+    pending = codes_kernel.start_pages_lse_of(logits, lse, [1, 0], readers, biases, blocks,
+                                              [page, page])
+    if not codes_kernel.available():
+        assert pending is None
+        return
+    assert pending is not None
+    for i, (row, parts) in enumerate(zip([1, 0], pending.wait(), strict=True)):
+        want = codes_kernel.page_lse_of(logits[i], lse[row][readers[i]].contiguous(), biases[i],
+                                        blocks[i], page)
+        assert torch.equal(parts[0], want)
+    with pytest.raises(RuntimeError, match="heads of the step"):
+        codes_kernel.start_pages_lse_of(logits, lse, [1, 0], [r + 9 for r in readers], biases,
+                                        blocks, [page, page])

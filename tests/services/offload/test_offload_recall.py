@@ -844,6 +844,13 @@ def inline_and_beside(model: CausalLM, compressed: Compressed, monkeypatch: pyte
         return scorer(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(recall_engine, "layer_page_lse", recording)
+    started = recall_engine.start_layer_page_lse
+
+    def starting(*args: object, **kwargs: object) -> object:
+        scored.append(("started on " + threading.current_thread().name, True))
+        return started(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recall_engine, "start_layer_page_lse", starting)
     runs = {}
     for background in (False, True):
         strategy = replace(CODES_INLINE, plan_in_background=background)
@@ -888,10 +895,10 @@ def test_plans_made_beside_the_step_recall_what_the_decode_thread_would(
 def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_same(
     model: CausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the omitted-value term computed on the decode thread as each layer attends, the
-    planner thread scores that layer from the term's code logits (never the table again) as
-    the step runs: every step's logits equal the plan made on the decode thread, to the bit,
-    and the same pages land before the same steps."""
+    """With the omitted-value term computed as each layer attends, that layer is scored from
+    the term's code logits (never the table again) on the kernel's own thread, started from
+    the decode thread as the step runs: every step's logits equal the plan made on the decode
+    thread, to the bit, and the same pages land before the same steps."""
     compressed = compress(model, replace(CODES_KNOBS, code_bits=4, value_term=True), seed=3)
     assert compressed.summaries.page_value_mean is not None
     inline, beside, scored = inline_and_beside(model, compressed, monkeypatch)
@@ -903,7 +910,7 @@ def test_a_value_terms_plan_beside_the_step_scores_its_logits_and_recalls_the_sa
             recalled += outcome.status is RecallStatus.RECALLED
     assert recalled > 0
     assert len(scored) == model.config.num_layers * (STEPS - 1)
-    assert all(name.startswith("recall-plan") and logits for name, logits in scored)
+    assert all(name == f"started on {threading.current_thread().name}" for name, _ in scored)
 
 
 @pytest.mark.parametrize("fallback", list(TimeoutFallback))
