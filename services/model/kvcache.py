@@ -612,9 +612,9 @@ class DecodeCache(SlottedCache):
                                         f"{tuple(term_value.shape)}")
             masses[slot], values[slot] = log_mass, term_value
         mass, value = torch.stack(masses).float(), torch.stack(values).float()
-        # Below +inf (-inf is no mass; NaN compares false) and finite: one check for the batch,
-        # and the requests named only when it fails.
-        if not bool((mass < torch.inf).all()) or not bool(torch.isfinite(value).all()):
+        # Below +inf (-inf is no mass; NaN compares false) and finite: one check (one read back)
+        # for the batch, and the requests named only when it fails.
+        if not bool((mass < torch.inf).all() & torch.isfinite(value).all()):
             bad = ~(mass < torch.inf).all(dim=1) | ~torch.isfinite(value).flatten(1).all(dim=1)
             named = [repr(self.request_ids[s]) for s in torch.nonzero(bad)[:, 0].tolist()]
             raise InvalidModelInput("omitted_term", f"{', '.join(named)}: layer {layer} "

@@ -782,6 +782,18 @@ class LayerTerm:
                        value=_to_heads(value, self.heads), page_mass=page_mass)
 
 
+def take_out_pages(summaries: PageSummaries, gone: torch.Tensor, bias: torch.Tensor,
+                   grid: torch.Tensor) -> None:
+    """Pages `gone` `[P_total]` bool taken out of a `live_bias` and its `live_grid`, in place:
+    their slots -inf, their grid entries False (what both give for the live pages less these,
+    without building either again over the whole table)."""
+    page_slot = summaries.code_table.page_slot[torch.nonzero(gone)[:, 0]]  # [n] grid indices
+    grid.view(-1)[page_slot] = False
+    size = summaries.page_size
+    slots = (page_slot[:, None] * size + torch.arange(size)).flatten()
+    bias.view(-1)[slots] = -math.inf
+
+
 def live_grid(summaries: PageSummaries, live: torch.Tensor) -> torch.Tensor:
     """`live` `[P_total]` laid out like the codes table's pages.  # [S, pages] bool"""
     table = summaries.code_table

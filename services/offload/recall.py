@@ -108,6 +108,7 @@ from services.offload.bound import (
     sketched_code_log_odds,
     start_layer_page_lse,
     start_layer_value_terms,
+    take_out_pages,
     term_inputs,
 )
 from services.offload.errors import (
@@ -905,6 +906,7 @@ class ValueTermSource:
         self._grid: torch.Tensor | None = None  # `live_grid` of the live pages
         self._ahead: AheadTerms | None = None  # computed beside the last evaluated step
         self._layer_inputs: list[TermInputs | None] = [None] * layers  # (`_inputs`)
+        self._counted: torch.Tensor | None = None  # `live` when last counted
 
     def bind(self, head_to_owner: Sequence[int], scale: float) -> None:
         """The cache's query-head layout and attention scale."""
@@ -936,17 +938,23 @@ class ValueTermSource:
         return batch
 
     def recount(self) -> int:
-        """The live pages now; the live slot bias and page grid rebuilt if pages were recalled
-        since they were built. Pages are recalled on the decode thread between steps (the
-        session recounts as it adopts them), never while a step runs, so the layer calls of
-        a step read the count and never take it."""
+        """The live pages now; the pages recalled since the last count taken out of the live
+        slot bias and page grid, in place (`take_out_pages`: the kernel inputs of every layer,
+        views of them, stay valid). Pages are recalled on the decode thread between steps (the
+        session recounts as it adopts them), never while a step runs or a term computed ahead
+        is still being computed (the plan that waits for those is collected first), so the
+        layer calls of a step read the count and never take it."""
         live = int(self._live.sum())
-        if live != self._live_count or self._bias is None:
+        if self._bias is None or self._grid is None or self._counted is None:
             self._bias = live_bias(self.summaries, self._live)
             self._grid = live_grid(self.summaries, self._live)
-            self._layer_inputs = [None] * self.summaries.num_layers
-            self._live_count = live
-            self._layer_live = self._grid.view(self.summaries.num_layers, -1).sum(dim=1).tolist()
+        elif live != self._live_count:
+            take_out_pages(self.summaries, self._counted & ~self._live, self._bias, self._grid)
+        else:
+            return live
+        self._counted = self._live.clone()
+        self._live_count = live
+        self._layer_live = self._grid.view(self.summaries.num_layers, -1).sum(dim=1).tolist()
         return live
 
     def __call__(self, layer: int, query: torch.Tensor) -> OmittedPart | None:

@@ -30,9 +30,11 @@ from services.offload.bound import (
     Ranking,
     code_logits,
     live_bias,
+    live_grid,
     omitted_value_term,
     owner_readers,
     page_midpoint_logits,
+    take_out_pages,
 )
 from services.offload.errors import BoundInputInvalid, RecallFailed, RecallUnavailable
 from services.offload.pages import (
@@ -996,6 +998,23 @@ def test_strategy_rejects_bad_settings(kwargs: dict[str, object], field: str) ->
 
 VALUES = RecallKnobs(threshold=0.0, page_size=2, max_pages_per_step=2, cadence_steps=2,
                      code_bits=4, value_term=True)
+
+
+def test_pages_taken_out_in_place_leave_the_bias_and_grid_of_the_pages_still_live(
+        model: CausalLM) -> None:
+    """`take_out_pages` (the value term's recount after a recall) leaves, bit for bit, the
+    `live_bias` and `live_grid` of the live pages less those taken out, over two recalls."""
+    compressed = compress(model, replace(CODES_KNOBS, code_bits=4, value_term=True), seed=3)
+    summaries = compressed.summaries
+    live = torch.ones(summaries.num_pages, dtype=torch.bool)
+    bias, grid = live_bias(summaries, live), live_grid(summaries, live)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        gone = live & (torch.rand(summaries.num_pages, generator=gen) < 0.3)
+        take_out_pages(summaries, gone, bias, grid)
+        live &= ~gone
+        assert torch.equal(bias, live_bias(summaries, live))
+        assert torch.equal(grid, live_grid(summaries, live))
 
 
 def test_the_value_term_leaves_with_the_pages_it_covers(model: CausalLM) -> None:
