@@ -434,12 +434,11 @@ def layer_page_lse(
     # [H_owner, slots / page_size] float32"""
     if not 0 <= layer < summaries.num_layers:
         raise BoundInputInvalid("layer", f"must be in [0, {summaries.num_layers}), got {layer}")
+    if logits is not None:
+        return _page_lse_of_logits(summaries, layer, logits, retained_lse, readers)
     owners, table = summaries.num_owners, summaries.code_table
     r = retained_lse.detach().double().cpu()[readers].float()  # [H_owner, G]
     rows = slice(layer * owners, (layer + 1) * owners)
-    if logits is not None:
-        return codes_kernel.page_lse_of(logits, r, table.slot_bias[rows], table.block,
-                                        summaries.page_size)
     q = query.detach().float().cpu() * _scale(scale, summaries.head_dim)  # [H_q, d_h]
     return codes_kernel.block_page_lse(q[readers], r, table.estimates[rows],
                                        table.slot_bias[rows], summaries.head_dim, table.block,
@@ -466,11 +465,19 @@ def start_layer_page_lse(
         [table.block for table in tables], [one.page_size for one in summaries])
     if pending is not None:
         return lambda: [parts[0] for parts in pending.wait()]
-    pages = [codes_kernel.page_lse_of(part, retained_lse[row].detach().double().cpu()[heads].float(),
-                                      rows_bias, table.block, one.page_size)
-             for one, table, part, row, heads, rows_bias
-             in zip(summaries, tables, logits, rows, readers, bias, strict=True)]
+    pages = [_page_lse_of_logits(one, layer, part, retained_lse[row], heads)
+             for one, part, row, heads in zip(summaries, logits, rows, readers, strict=True)]
     return lambda: pages
+
+
+def _page_lse_of_logits(summaries: PageSummaries, layer: int, logits: torch.Tensor,
+                        retained_lse: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
+    """`layer_page_lse` from the layer's code logits `[H_owner, G, slots]` and r `[H_q]`.
+    # [H_owner, slots / page_size] float32"""
+    owners, table = summaries.num_owners, summaries.code_table
+    r = retained_lse.detach().double().cpu()[readers].float()  # [H_owner, G]
+    return codes_kernel.page_lse_of(logits, r, table.slot_bias[layer * owners:(layer + 1) * owners],
+                                    table.block, summaries.page_size)
 
 
 def page_code_log_odds(
